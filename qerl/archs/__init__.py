@@ -1,0 +1,29 @@
+"""Real Qwen2.5 architectures (the Instruct models' config.json fields), shipped as data.
+
+Used to build paper-scale models with random weights: speed and memory do not depend on
+the weights' values. Sources: the Qwen2.5 *-Instruct config.json files on the model hub.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+from transformers import AutoConfig, PretrainedConfig
+
+from qerl.errors import ArchitectureError
+
+
+def known() -> list[str]:
+    """Names accepted by ``config_for``, e.g. ``qwen2.5-7b``."""
+    files = resources.files(__name__).iterdir()
+    return sorted(f.name.removesuffix(".json") for f in files if f.name.endswith(".json"))
+
+
+def config_for(arch: str) -> PretrainedConfig:
+    """The transformers config of a named architecture."""
+    name = arch.lower()
+    if name not in known():
+        raise ArchitectureError(f"unknown architecture {arch!r}; known: {', '.join(known())}")
+    fields = json.loads(resources.files(__name__).joinpath(f"{name}.json").read_text())
+    return AutoConfig.for_model(**fields)

@@ -1,0 +1,74 @@
+"""The ``qerl`` command: one verb per step of the workflow, each reading and writing files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from qerl.errors import QerlError
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _quantize(args: argparse.Namespace) -> None:
+    from qerl.quantize import quantize_model
+    from qerl.sources import open_source
+
+    if args.random_weights != (args.arch is not None):
+        raise QerlError("--random-weights and --arch go together")
+    if (args.model is None) == (args.arch is None):
+        raise QerlError("give exactly one of --model SRC or --random-weights --arch NAME")
+    source = open_source(args.model, args.arch, args.seed)
+    report = quantize_model(
+        source,
+        args.out,
+        overwrite=args.overwrite,
+        strict=args.strict,
+        device=args.device or _default_device(),
+        progress=not args.quiet,
+    )
+    print(json.dumps(report["summary"], indent=2))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qerl", description=__doc__)
+    verbs = parser.add_subparsers(dest="verb", required=True)
+
+    q = verbs.add_parser(
+        "quantize",
+        help="write an NVFP4 (compressed-tensors nvfp4-pack-quantized) checkpoint",
+        description="Quantize every decoder Linear to NVFP4, as llmcompressor's NVFP4A16 does.",
+    )
+    q.add_argument("--model", help="Hugging Face model directory, hub id, or .gguf file")
+    q.add_argument("--out", required=True, help="output checkpoint directory")
+    q.add_argument("--random-weights", action="store_true",
+                   help="build --arch with random weights (for speed and memory benchmarks)")
+    q.add_argument("--arch", help="architecture for --random-weights, e.g. qwen2.5-7b")
+    q.add_argument("--seed", type=int, default=0, help="seed for --random-weights")
+    q.add_argument("--device", help="where to quantize (default: cuda if available, else cpu)")
+    q.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    q.add_argument("--strict", action="store_true",
+                   help="fail on a Linear whose input dim is not a multiple of 16 "
+                        "instead of keeping it in BF16")
+    q.add_argument("--quiet", action="store_true", help="no progress bar")
+    q.set_defaults(run=_quantize)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except QerlError as e:
+        print(f"qerl {args.verb}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
