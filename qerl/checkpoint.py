@@ -72,7 +72,8 @@ class ShardWriter:
         self.total_bytes += nbytes
 
     def _flush(self) -> None:
-        save_file(self._pending, self.directory / f"shard-{len(self._shards)}.tmp", {"format": "pt"})
+        path = self.directory / f"shard-{len(self._shards)}.tmp"
+        save_file(self._pending, path, {"format": "pt"})
         self._shards.append(list(self._pending))
         self._pending, self._pending_bytes = {}, 0
 

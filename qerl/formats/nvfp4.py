@@ -49,10 +49,6 @@ class NVFP4Tensor:
     def shape(self) -> tuple[int, int]:
         return self.packed.shape[0], self.packed.shape[1] * 2
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.global_scale))
-
     def to(self, device: torch.device | str) -> NVFP4Tensor:
         return NVFP4Tensor(
             self.packed.to(device), self.scale.to(device), self.global_scale.to(device)

