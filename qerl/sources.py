@@ -121,6 +121,8 @@ class RandomWeights:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(self.config, dtype=torch.bfloat16)
         self._shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        if self.config.tie_word_embeddings:  # as save_pretrained does: stored once
+            del self._shapes["lm_head.weight"]
 
     def names(self):
         return list(self._shapes)

@@ -119,6 +119,14 @@ def test_bad_arguments_are_named(tmp_path, capsys, args, message):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+def test_cuda_without_a_gpu_is_named(tiny_model_dir, tmp_path, capsys):
+    assert quantize("--model", str(tiny_model_dir), "--out", str(tmp_path / "o"),
+                    "--device", "cuda") == 2
+    assert "no CUDA GPU is available" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 def test_unknown_model_type_and_missing_tensor_are_named(tiny_model_dir, tmp_path, capsys):
     import shutil
 

@@ -20,8 +20,7 @@ PARAMS_BILLIONS = {"qwen2.5-0.5b": 0.49, "qwen2.5-1.5b": 1.54, "qwen2.5-3b": 3.0
 @pytest.mark.parametrize("arch", sorted(PARAMS_BILLIONS))
 def test_arch_presets_have_the_real_parameter_counts(arch):
     source = RandomWeights(arch)
-    total = sum(torch.Size(s).numel() for n, s in source._shapes.items()
-                if not (n == "lm_head.weight" and source.config.tie_word_embeddings))
+    total = sum(torch.Size(s).numel() for s in source._shapes.values())
     assert total / 1e9 == pytest.approx(PARAMS_BILLIONS[arch], abs=0.006)
     assert len(linear_layers(source)) == 7 * source.config.num_hidden_layers
 
@@ -42,6 +41,26 @@ def test_random_weights_are_reproducible_per_name(monkeypatch):
     assert wa.float().std().item() == pytest.approx(0.02, rel=0.1)
     norm = "model.layers.0.input_layernorm.weight"
     assert (a.load([norm], "cpu")[norm] == 1).all()
+
+
+def test_hub_ids_are_downloaded_and_failures_named(tiny_model_dir, monkeypatch):
+    import huggingface_hub
+
+    from qerl.errors import CheckpointError
+
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo, **kw: asked.append(repo) or str(tiny_model_dir))
+    source = open_source("someone/tiny-qwen2")
+    assert asked == ["someone/tiny-qwen2"] and source.description == "someone/tiny-qwen2"
+    assert "model.layers.0.mlp.up_proj.weight" in source.names()
+
+    def offline(repo, **kw):
+        raise OSError("we have no network")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(CheckpointError, match="cannot download 'someone/x'.*no network"):
+        open_source("someone/x")
 
 
 def test_packaged_gguf_name_resolves_without_importing_the_package():

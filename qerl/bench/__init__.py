@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that write CSV under results/, never timed tests."""
