@@ -60,7 +60,13 @@ class HFDirectory:
     def __init__(self, path: Path, description: str | None = None):
         self.path = path
         self.description = description or str(path)
-        check_model_type(read_json(path / "config.json"), str(path / "config.json"))
+        config = read_json(path / "config.json")
+        check_model_type(config, str(path / "config.json"))
+        if "quantization_config" in config:
+            method = config["quantization_config"].get("quant_method", "unknown")
+            raise CheckpointError(
+                f"{path} is already quantized ({method}); give the original model"
+            )
         self.config = AutoConfig.from_pretrained(path)
         self._files = weight_files(path)
 

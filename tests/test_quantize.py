@@ -144,6 +144,11 @@ def test_unknown_model_type_and_missing_tensor_are_named(tiny_model_dir, tmp_pat
     assert "lacks tensor(s) ['model.layers.1.self_attn.o_proj.weight']" in capsys.readouterr().err
 
 
+def test_an_already_quantized_model_is_refused(tiny_checkpoint, tmp_path, capsys):
+    assert quantize("--model", str(tiny_checkpoint), "--out", str(tmp_path / "again")) == 2
+    assert "is already quantized (compressed-tensors)" in capsys.readouterr().err
+
+
 def test_fusion_groups_follow_vllm():
     layers = [f"m.l.0.self_attn.{p}_proj" for p in "qkvo"] + [
         f"m.l.0.mlp.{p}_proj" for p in ("gate", "up", "down")]

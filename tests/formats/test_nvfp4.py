@@ -114,6 +114,21 @@ def test_global_scale_division_happens_in_the_weights_dtype():
     assert nvfp4.shared_global_scale(w.float()).item() == pytest.approx(915.0638, abs=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantize_equals_compressed_tensors_decompression(dtype):
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
+    for _ in range(5):
+        seed = fresh_seed()
+        q = nvfp4.quantize(random_weight(seed, dtype))
+        state = {"weight_packed": q.packed, "weight_scale": q.scale,
+                 "weight_global_scale": q.global_scale}
+        theirs = NVFP4PackedCompressor.decompress(state, scheme)["weight"]  # bf16
+        assert torch.equal(nvfp4.dequantize(q, torch.bfloat16), theirs), f"seed {seed}"
+
+
 def test_dequantized_values_are_the_nearest_grid_points_float64():
     """An independent float64 check of the rounding: each code's value is a nearest E2M1
     point of w / divisor (saturating), and dequantize is value * divisor."""
