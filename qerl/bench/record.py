@@ -12,8 +12,14 @@ import torch
 
 
 def card_name(device: str) -> str:
+    """The GPU's name, or the CPU's model name."""
     if device.startswith("cuda"):
         return torch.cuda.get_device_name()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
 
 
