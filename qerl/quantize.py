@@ -20,7 +20,7 @@ from torch import nn
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-from qerl.checkpoint import ShardWriter, add_quantization_config
+from qerl.checkpoint import PACKED_SUFFIXES, ShardWriter, add_quantization_config
 from qerl.errors import ArchitectureError, CheckpointError, GroupSizeError, QerlError
 from qerl.formats import nvfp4
 from qerl.sources import Source
@@ -118,8 +118,15 @@ def quantize_model(
     ``ignore`` and the report), or raises if ``strict``. NaN/Inf in any weight raises.
     """
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise QerlError(f"{out} already exists; pass --overwrite to replace it")
+    if out.exists():
+        if not overwrite:
+            raise QerlError(f"{out} already exists; pass --overwrite to replace it")
+        # Only an empty directory or an earlier output of ours is replaced: never a source
+        # model or anything else a user made.
+        if not out.is_dir() or (any(out.iterdir()) and not (out / REPORT_NAME).exists()):
+            raise QerlError(
+                f"{out} is not a qerl checkpoint (no {REPORT_NAME}); refusing to replace it"
+            )
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise QerlError("--device cuda was asked for, but no CUDA GPU is available")
@@ -161,13 +168,12 @@ def _write(source, tmp: Path, strict, device, max_shard_bytes, progress) -> dict
                 writer.add(f"{layer}.weight", w.to(torch.bfloat16))
                 continue
             keep[layer] = w
-        if keep:
-            shared = nvfp4.shared_global_scale(*keep.values())
+        shared = nvfp4.shared_global_scale(*keep.values()) if keep else None
         for layer, w in keep.items():
             q = nvfp4.quantize(w, shared, layer)
             report.add_layer(layer, w, q, list(keep))
-            for suffix, t in zip(("weight_packed", "weight_scale", "weight_global_scale"),
-                                 (q.packed, q.scale, q.global_scale), strict=True):
+            parts = (q.packed, q.scale, q.global_scale)
+            for suffix, t in zip(PACKED_SUFFIXES, parts, strict=True):
                 writer.add(f"{layer}.{suffix}", t)
         report.source_params += sum(w.numel() for w in weights.values())
         del weights, keep

@@ -62,16 +62,24 @@ def test_tokenizer_and_generation_config_travel(tiny_model_dir, tiny_checkpoint)
     assert tokenizer("w1 w2 w3").input_ids == [1, 2, 3]
 
 
-def test_existing_output_is_refused_unless_overwrite(tiny_model_dir, tiny_checkpoint, tmp_path,
-                                                      capsys):
+def test_existing_output_is_refused_unless_overwrite(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "mine.txt").write_text("keep me")
+    assert quantize("--model", str(tiny_model_dir), "--out", str(out)) == 0
+    (out / "model.safetensors").write_bytes(b"stale")
     assert quantize("--model", str(tiny_model_dir), "--out", str(out)) == 2
     assert "already exists; pass --overwrite" in capsys.readouterr().err
-    assert (out / "mine.txt").read_text() == "keep me"
+    assert (out / "model.safetensors").read_bytes() == b"stale"
     assert quantize("--model", str(tiny_model_dir), "--out", str(out), "--overwrite") == 0
-    assert not (out / "mine.txt").exists() and (out / "model.safetensors").exists()
+    assert load_checkpoint(out).quantized
+
+
+def test_overwrite_never_deletes_what_qerl_did_not_write(tiny_model_dir, tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("keep me")
+    for out in (tmp_path, tiny_model_dir):  # a user's folder; the source model itself
+        assert quantize("--model", str(tiny_model_dir), "--out", str(out), "--overwrite") == 2
+        assert "is not a qerl checkpoint" in capsys.readouterr().err
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+    assert (tiny_model_dir / "model.safetensors").exists()
 
 
 def test_k_not_multiple_of_16_stays_bf16_and_is_reported(tmp_path, capsys):
