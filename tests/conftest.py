@@ -10,6 +10,11 @@ import secrets
 import pytest
 import torch
 
+# Without a GPU, Triton kernels run in its CPU interpreter; it must be chosen before any
+# kernel is defined, so here, before the tests import qerl.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # CI sets this so that a missing optional dependency fails the run instead of skipping.
 REQUIRE_ALL = os.environ.get("QERL_REQUIRE_ALL_TESTS") == "1"
 

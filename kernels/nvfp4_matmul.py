@@ -1,0 +1,257 @@
+"""Fused NVFP4 dequantize + matmul (Triton): y = x @ deq(W)^T and dx = dy @ deq(W).
+
+The packed weight is read once and decoded in registers by bit placement: a code's three
+magnitude bits shifted into an fp16's exponent/mantissa (sign to bit 15) are exactly
+E2M1 * 2^-14, so ``fp16 * (scale * 2^14 / global_scale)`` is the dequantized weight, bit for
+bit what ``qerl.formats.nvfp4.dequantize`` computes in fp32 before rounding.
+
+Triton's CPU interpreter (TRITON_INTERPRET=1, how CI runs these kernels) computes bf16
+tl.dot wrongly, so there ``DOT_F32`` feeds the dot fp32 operands instead; on a GPU the
+dot takes the activations' own dtype.
+
+Both kernels take ``SPLIT_K``: with ``SPLIT_K > 1`` programs split the reduction and write
+fp32 partials ([SPLIT_K, M, cols], summed by the caller). That is the skinny decode path
+(small M), where the weight read has to be spread over the whole GPU; ``SPLIT_K == 1`` is
+the tiled prefill/training path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from qerl.errors import QuantizationError
+from qerl.formats import nvfp4
+
+# E2M1 magnitude m placed as fp16 bits is m * 2^-14 (code 1 lands on a subnormal).
+E2M1_AS_FP16_UNSCALE = 16384.0
+
+
+@triton.jit
+def _dequant_tile(packed, scale, global_scale, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """packed u8 [ROWS, COLS/2] + scale fp8 [ROWS, COLS/16] -> fp32 [ROWS, COLS]."""
+    lo = packed & 0xF
+    hi = packed >> 4
+    lo = ((lo & 7).to(tl.int16) << 9) | ((lo & 8).to(tl.int16) << 12)
+    hi = ((hi & 7).to(tl.int16) << 9) | ((hi & 8).to(tl.int16) << 12)
+    # join puts each byte's low nibble before its high nibble: element 2j, then 2j+1.
+    w = tl.join(lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True))
+    w = tl.reshape(w, (ROWS, COLS // 16, 16)).to(tl.float32)
+    # Correctly rounded scale / global_scale, as the reference divides; * 2^14 is exact.
+    s = tl.math.div_rn(scale.to(tl.float32), global_scale) * E2M1_AS_FP16_UNSCALE
+    return tl.reshape(w * s[:, :, None], (ROWS, COLS))
+
+
+@triton.jit
+def _tile_ids(M, cols, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_c) in grouped order, so that neighbouring programs share weight tiles."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_c = tl.cdiv(cols, BLOCK_C)
+    group = GROUP_M * num_c
+    first_m = (pid // group) * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    return first_m + (pid % group) % size_m, (pid % group) // size_m
+
+
+@triton.jit
+def _reduction_range(red, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr):
+    chunks = tl.cdiv(red, BLOCK_R)
+    per_split = tl.cdiv(chunks, SPLIT_K)
+    start = tl.program_id(1) * per_split
+    return start, min(chunks, start + per_split)
+
+
+@triton.jit
+def _store(out_ptr, acc, offs_m, offs_c, M, cols, stride_os, stride_om, stride_oc):
+    out = (out_ptr + tl.program_id(1) * stride_os + offs_m[:, None] * stride_om
+           + offs_c[None, :] * stride_oc)
+    mask = (offs_m[:, None] < M) & (offs_c[None, :] < cols)
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def nvfp4_fwd_kernel(
+    x_ptr, packed_ptr, scale_ptr, global_scale_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_os, stride_om, stride_on,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """out[M, N] = x[M, K] @ deq(W[N, K])^T (+ bias): W tiles are [BLOCK_N, BLOCK_K]."""
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_b = tl.arange(0, BLOCK_K // 2)
+    offs_s = tl.arange(0, BLOCK_K // 16)
+    global_scale = tl.load(global_scale_ptr)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    start, stop = _reduction_range(K, BLOCK_K, SPLIT_K)
+    for c in range(start, stop):
+        k = c * BLOCK_K + offs_k
+        b = c * (BLOCK_K // 2) + offs_b
+        s = c * (BLOCK_K // 16) + offs_s
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                    mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
+        p = tl.load(packed_ptr + offs_n[:, None] * (K // 2) + b[None, :],
+                    mask=(offs_n[:, None] < N) & (b[None, :] < K // 2), other=0)
+        sc = tl.load(scale_ptr + offs_n[:, None] * (K // 16) + s[None, :],
+                     mask=(offs_n[:, None] < N) & (s[None, :] < K // 16), other=0.0)
+        w = _dequant_tile(p, sc, global_scale, BLOCK_N, BLOCK_K)
+        if DOT_F32:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w))
+        else:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    if HAS_BIAS:  # noqa: SIM102 (a constexpr test: Triton compiles the branch away)
+        if tl.program_id(1) == 0:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    _store(out_ptr, acc, offs_m, offs_n, M, N, stride_os, stride_om, stride_on)
+
+
+@triton.jit
+def nvfp4_bwd_kernel(
+    dy_ptr, packed_ptr, scale_ptr, global_scale_ptr, out_ptr,
+    M, N, K,
+    stride_dym, stride_os, stride_om, stride_ok,
+    SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """out[M, K] = dy[M, N] @ deq(W[N, K]): W tiles are [BLOCK_N, BLOCK_K], reduced over N."""
+    pid_m, pid_k = _tile_ids(M, K, BLOCK_M, BLOCK_K, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_b = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    offs_s = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+    offs_n = tl.arange(0, BLOCK_N)
+    global_scale = tl.load(global_scale_ptr)
+    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    start, stop = _reduction_range(N, BLOCK_N, SPLIT_K)
+    for c in range(start, stop):
+        n = c * BLOCK_N + offs_n
+        dy = tl.load(dy_ptr + offs_m[:, None] * stride_dym + n[None, :],
+                     mask=(offs_m[:, None] < M) & (n[None, :] < N), other=0.0)
+        p = tl.load(packed_ptr + n[:, None] * (K // 2) + offs_b[None, :],
+                    mask=(n[:, None] < N) & (offs_b[None, :] < K // 2), other=0)
+        sc = tl.load(scale_ptr + n[:, None] * (K // 16) + offs_s[None, :],
+                     mask=(n[:, None] < N) & (offs_s[None, :] < K // 16), other=0.0)
+        w = _dequant_tile(p, sc, global_scale, BLOCK_N, BLOCK_K)
+        if DOT_F32:
+            acc += tl.dot(dy.to(tl.float32), w)
+        else:
+            acc += tl.dot(dy, w.to(dy.dtype))
+    _store(out_ptr, acc, offs_m, offs_k, M, K, stride_os, stride_om, stride_ok)
+
+
+# ---- launch wrappers: check inputs, pick the variant by M --------------------------------
+
+SKINNY_MAX_M = 64
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check(a: torch.Tensor, packed, scale, global_scale, width: int, what: str) -> None:
+    nvfp4.check_packed(packed, scale, global_scale)
+    if a.dtype not in (torch.bfloat16, torch.float16):
+        raise QuantizationError(f"{what} must be bfloat16 or float16, got {a.dtype}")
+    if a.shape[-1] != width:
+        shape = (packed.shape[0], packed.shape[1] * 2)
+        raise QuantizationError(
+            f"{what} has last dim {a.shape[-1]}; the NVFP4 weight of shape {shape} needs {width}"
+        )
+    devices = {t.device for t in (a, packed, scale, global_scale)}
+    if len(devices) != 1:
+        raise QuantizationError(f"{what} and the weight are on different devices: {devices}")
+    if a.device.type != "cuda" and not _interpreting():
+        raise QuantizationError(
+            f"the Triton kernels need CUDA tensors (got {a.device}); on CPU use the torch "
+            "reference (qerl.nn.NVFP4Linear picks it by itself)"
+        )
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _config(m: int, cols: int, red: int, device: torch.device, block_c: int, block_r: int):
+    """(BLOCK_M, SPLIT_K, num_warps, num_stages) for an output of M x cols reduced over red."""
+    if m > SKINNY_MAX_M:
+        return 128, 1, 8, 3
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    tiles = triton.cdiv(cols, block_c)
+    chunks = triton.cdiv(red, block_r)
+    split = max(1, min(chunks, triton.cdiv(2 * _num_sms(device), tiles)))
+    return block_m, split, 4, 4
+
+
+def _run(kernel, a2, packed, scale, global_scale, out_cols, red, extra, bias, block_c, block_r):
+    m = a2.shape[0]
+    block_m, split, warps, stages = _config(m, out_cols, red, a2.device, block_c, block_r)
+    if split > 1:
+        out = torch.empty((split, m, out_cols), dtype=torch.float32, device=a2.device)
+    else:
+        out = torch.empty((1, m, out_cols), dtype=a2.dtype, device=a2.device)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(out_cols, block_c), split)
+    kernel[grid](a2, packed, scale, global_scale, *extra, out, m, *red_dims(packed),
+                 a2.stride(0), out.stride(0), out.stride(1), out.stride(2),
+                 **bias, SPLIT_K=split, BLOCK_M=block_m, GROUP_M=8,
+                 DOT_F32=_interpreting() and a2.dtype == torch.bfloat16,
+                 num_warps=warps, num_stages=stages)
+    return out[0] if split == 1 else out.sum(0).to(a2.dtype)
+
+
+def red_dims(packed: torch.Tensor) -> tuple[int, int]:
+    """(N, K) of a packed weight."""
+    return packed.shape[0], packed.shape[1] * 2
+
+
+def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                 global_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y[..., N] = x[..., K] @ deq(W)^T + bias, fp32 accumulation, in x's dtype."""
+    n, k = red_dims(packed)
+    _check(x, packed, scale, global_scale, k, "x")
+    if bias is not None and (bias.shape != (n,) or bias.device != x.device):
+        raise QuantizationError(f"bias must have shape ({n},) on {x.device}, got "
+                                f"{tuple(bias.shape)} on {bias.device}")
+    x2 = x.reshape(-1, k).contiguous()
+    if x2.shape[0] == 0:
+        return x.new_empty((*x.shape[:-1], n))
+    block_n, block_k = (64, 256) if x2.shape[0] <= SKINNY_MAX_M else (128, 64)
+    extra = (bias if bias is not None else global_scale,)
+    y = _run(nvfp4_fwd_kernel, x2, packed, scale, global_scale, n, k, extra,
+             {"HAS_BIAS": bias is not None, "BLOCK_N": block_n, "BLOCK_K": block_k},
+             block_n, block_k)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def nvfp4_linear_grad_input(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                            global_scale: torch.Tensor) -> torch.Tensor:
+    """dx[..., K] = dy[..., N] @ deq(W): the input gradient of a frozen NVFP4 Linear."""
+    n, k = red_dims(packed)
+    _check(dy, packed, scale, global_scale, n, "dy")
+    dy2 = dy.reshape(-1, n).contiguous()
+    if dy2.shape[0] == 0:
+        return dy.new_empty((*dy.shape[:-1], k))
+    block_k, block_n = (128, 256) if dy2.shape[0] <= SKINNY_MAX_M else (128, 64)
+    dx = _run(nvfp4_bwd_kernel, dy2, packed, scale, global_scale, k, n, (),
+              {"BLOCK_K": block_k, "BLOCK_N": block_n}, block_k, block_n)
+    return dx.reshape(*dy.shape[:-1], k)
+
+
+def reference_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                     global_scale: torch.Tensor, bias: torch.Tensor | None = None):
+    """The torch reference (any device): dequantize to x's dtype, then matmul."""
+    w = nvfp4.dequantize(nvfp4.NVFP4Tensor(packed, scale, global_scale), x.dtype)
+    return torch.nn.functional.linear(x, w, bias)
+
+
+def reference_grad_input(dy, packed, scale, global_scale):
+    w = nvfp4.dequantize(nvfp4.NVFP4Tensor(packed, scale, global_scale), dy.dtype)
+    return dy @ w

@@ -1,0 +1,79 @@
+"""A frozen NVFP4 Linear layer: packed weight buffers, an autograd Function that runs the
+fused Triton kernels on CUDA and the torch reference elsewhere, and no weight gradient."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qerl.checkpoint import NVFP4Checkpoint
+from qerl.formats import nvfp4
+from qerl.kernels import nvfp4_matmul as kernels
+
+
+def _use_kernels(x: torch.Tensor) -> bool:
+    return x.is_cuda or kernels._interpreting()
+
+
+class NVFP4LinearFunction(torch.autograd.Function):
+    """y = x @ deq(W)^T + b; gradients flow to x (and a trainable bias), never to W."""
+
+    @staticmethod
+    def forward(ctx, x, packed, scale, global_scale, bias):
+        ctx.save_for_backward(packed, scale, global_scale)
+        ctx.bias_needs_grad = bias is not None and bias.requires_grad
+        run = kernels.nvfp4_linear if _use_kernels(x) else kernels.reference_linear
+        return run(x, packed, scale, global_scale, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        packed, scale, global_scale = ctx.saved_tensors
+        dx = None
+        if ctx.needs_input_grad[0]:
+            run = (kernels.nvfp4_linear_grad_input if _use_kernels(dy)
+                   else kernels.reference_grad_input)
+            dx = run(dy.contiguous(), packed, scale, global_scale)
+        dbias = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.bias_needs_grad else None
+        return dx, None, None, None, dbias
+
+
+class NVFP4Linear(nn.Module):
+    """``nn.Linear`` with a frozen NVFP4 weight (buffers named as in compressed-tensors
+    checkpoints: weight_packed, weight_scale, weight_global_scale)."""
+
+    def __init__(self, weight: nvfp4.NVFP4Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight_packed", weight.packed)
+        self.register_buffer("weight_scale", weight.scale)
+        self.register_buffer("weight_global_scale", weight.global_scale)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, global_scale: torch.Tensor | None = None,
+                    name: str = "weight") -> NVFP4Linear:
+        """Quantize a Linear (optionally with a global scale shared with fused layers)."""
+        weight = nvfp4.quantize(linear.weight.detach(), global_scale, name)
+        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+        return cls(weight, bias)
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: NVFP4Checkpoint, module: str) -> NVFP4Linear:
+        """The layer ``module`` (e.g. model.layers.0.mlp.up_proj) of a loaded checkpoint."""
+        return cls(checkpoint.quantized[module], checkpoint.dense.get(f"{module}.bias"))
+
+    @property
+    def packed_weight(self) -> nvfp4.NVFP4Tensor:
+        return nvfp4.NVFP4Tensor(self.weight_packed, self.weight_scale, self.weight_global_scale)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return nvfp4.dequantize(self.packed_weight, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return NVFP4LinearFunction.apply(x, self.weight_packed, self.weight_scale,
+                                         self.weight_global_scale, bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, format=nvfp4")
