@@ -35,6 +35,19 @@ def _quantize(args: argparse.Namespace) -> None:
     print(json.dumps(report["summary"], indent=2))
 
 
+BENCHMARKS = {
+    "kernels": "qerl.kernels.bench_nvfp4_matmul",
+    "quantize": "qerl.bench.quantize",
+    "fidelity": "qerl.bench.fidelity",
+}
+
+
+def _bench(args: argparse.Namespace) -> None:
+    import importlib
+
+    importlib.import_module(BENCHMARKS[args.what]).main(args.args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qerl", description=__doc__)
     verbs = parser.add_subparsers(dest="verb", required=True)
@@ -58,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "instead of keeping it in BF16")
     q.add_argument("--quiet", action="store_true", help="no progress bar")
     q.set_defaults(run=_quantize)
+
+    b = verbs.add_parser("bench", help="run a benchmark; results go to results/bench/",
+                         description="Benchmarks write CSV under results/bench/; "
+                                     "`qerl bench NAME --help` for each one's options.")
+    b.add_argument("what", choices=sorted(BENCHMARKS))
+    b.add_argument("args", nargs=argparse.REMAINDER, help="options of that benchmark")
+    b.set_defaults(run=_bench)
     return parser
 
 

@@ -1,0 +1,29 @@
+"""Every launch configuration compiles for Hopper (sm_90) within its shared memory, with
+no local-memory spills: checked on the CPU, before any GPU time is spent."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Largest dynamic shared memory per block on an H100/H200 (227 KiB).
+HOPPER_MAX_SHARED = 232448
+
+
+@pytest.mark.slow
+def test_all_launch_configs_compile_for_hopper():
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    script = Path(__file__).with_name("compile_for_hopper.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, check=False, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(results) >= 6
+    for r in results:
+        assert r["shared"] <= HOPPER_MAX_SHARED, r
+        assert not r["local_memory"], r
