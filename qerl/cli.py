@@ -37,6 +37,7 @@ def _quantize(args: argparse.Namespace) -> None:
 
 BENCHMARKS = {
     "kernels": "qerl.kernels.bench_nvfp4_matmul",
+    "kernel-paths": "qerl.kernels.sweep_nvfp4_matmul",
     "quantize": "qerl.bench.quantize",
     "fidelity": "qerl.bench.fidelity",
 }
