@@ -50,7 +50,9 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (ms * 1e-3)
 
 
-def _rotating(make, nbytes: int):
+def rotating(make, nbytes: int):
+    """A function returning, in turn, copies made by ``make`` that together exceed the L2
+    cache, so that each call reads its operand from HBM."""
     copies = [make() for _ in range(max(2, -(-ROTATE_BYTES // nbytes)))]
     cycle = itertools.cycle(copies)
     return lambda: next(cycle)
@@ -77,10 +79,10 @@ class LayerBench:
         self.q = nvfp4.quantize(w)
         self.w64 = nvfp4.dequantize(self.q, torch.float64)
         q = self.q
-        self.packed = _rotating(
+        self.packed = rotating(
             lambda: (q.packed.clone(), q.scale.clone(), q.global_scale.clone()), n * k * 9 // 16)
         w_bf16 = w.to(torch.bfloat16)
-        self.dense = _rotating(lambda: w_bf16.clone(), 2 * n * k)
+        self.dense = rotating(lambda: w_bf16.clone(), 2 * n * k)
 
     def run(self, op: str, m: int) -> dict:
         fwd = op == "fwd"

@@ -252,7 +252,8 @@ GEMV_TILE_TALL = (8, 1024, 4, 3)
 WIDE_N = 8192
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -268,7 +269,7 @@ def _check(a: torch.Tensor, packed, scale, global_scale, width: int, what: str) 
     devices = {t.device for t in (a, packed, scale, global_scale)}
     if len(devices) != 1:
         raise QuantizationError(f"{what} and the weight are on different devices: {devices}")
-    if a.device.type != "cuda" and not _interpreting():
+    if a.device.type != "cuda" and not interpreting():
         raise QuantizationError(
             f"the Triton kernels need CUDA tensors (got {a.device}); on CPU use the torch "
             "reference (qerl.nn.NVFP4Linear picks it by itself)"
@@ -330,7 +331,7 @@ def _run(op: str, a2, packed, scale, global_scale, bias=None):
     out_dtype = torch.float32 if cfg.split_k > 1 else a2.dtype
     out = torch.empty((cfg.split_k, m, cols), dtype=out_dtype, device=a2.device)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(cols, cfg.block_c), cfg.split_k)
-    dot_f32 = {"DOT_F32": _interpreting() and a2.dtype == torch.bfloat16}
+    dot_f32 = {"DOT_F32": interpreting() and a2.dtype == torch.bfloat16}
     common = cfg.meta(op) if op == "gemv" else {**dot_f32, **cfg.meta(op)}
     strides = (a2.stride(0), packed.stride(0), scale.stride(0),
                out.stride(0), out.stride(1), out.stride(2))

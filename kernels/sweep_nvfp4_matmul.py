@@ -15,7 +15,7 @@ import torch
 from qerl.bench.record import append_rows, provenance
 from qerl.formats import nvfp4
 from qerl.kernels import nvfp4_matmul as km
-from qerl.kernels.bench_nvfp4_matmul import _rotating, copy_bandwidth, time_us
+from qerl.kernels.bench_nvfp4_matmul import copy_bandwidth, rotating, time_us
 
 LAYERS = {"qwen2.5-7b.gate_up": (37888, 3584), "qwen2.5-7b.down": (3584, 18944),
           "qwen2.5-32b.gate_up": (55296, 5120), "qwen2.5-32b.down": (5120, 27648)}
@@ -44,9 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for layer, (n, k) in LAYERS.items():
             q = nvfp4.quantize(torch.randn(n, k, device="cuda") * 0.02)
-            packed = _rotating(lambda q=q: (q.packed.clone(), q.scale.clone(),
+            packed = rotating(lambda q=q: (q.packed.clone(), q.scale.clone(),
                                             q.global_scale.clone()), n * k * 9 // 16)
-            dense = _rotating(lambda n=n, k=k: torch.randn(n, k, device="cuda",
+            dense = rotating(lambda n=n, k=k: torch.randn(n, k, device="cuda",
                                                            dtype=torch.bfloat16), 2 * n * k)
             for m in M_VALUES:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

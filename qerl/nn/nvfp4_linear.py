@@ -12,7 +12,7 @@ from qerl.kernels import nvfp4_matmul as kernels
 
 
 def _use_kernels(x: torch.Tensor) -> bool:
-    return x.is_cuda or kernels._interpreting()
+    return x.is_cuda or kernels.interpreting()
 
 
 class NVFP4LinearFunction(torch.autograd.Function):

@@ -13,7 +13,7 @@ from tests.conftest import fresh_seed
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_kernels = pytest.mark.skipif(
-    not (torch.cuda.is_available() or km._interpreting()), reason="no GPU and no interpreter")
+    not (torch.cuda.is_available() or km.interpreting()), reason="no GPU and no interpreter")
 
 
 def device() -> str:
@@ -98,7 +98,7 @@ def test_bad_inputs_are_named():
                           rtol=2e-2, atol=1e-2)
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or km._interpreting(),
+@pytest.mark.skipif(torch.cuda.is_available() or km.interpreting(),
                     reason="checks a CPU-only machine without the interpreter")
 def test_cpu_tensors_without_interpreter_point_to_the_reference():
     q, x, _, _ = make(32, 64, (4,), torch.bfloat16, 0, "cpu")

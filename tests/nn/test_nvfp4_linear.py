@@ -14,7 +14,7 @@ from qerl.nn import NVFP4Linear, nvfp4_linear
 from tests.conftest import fresh_seed
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() or km._interpreting()),
+@pytest.mark.skipif(not (torch.cuda.is_available() or km.interpreting()),
                     reason="no GPU and no Triton interpreter")
 def test_kernel_and_reference_paths_agree_forward_and_backward(monkeypatch):
     seed = fresh_seed()
