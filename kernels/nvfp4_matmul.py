@@ -43,12 +43,17 @@ def _e2m1_as_fp16(code):
 
 
 @triton.jit
+def _group_multiplier(scale, global_scale):
+    """fp8 block scales -> fp32 multipliers of the fp16-placed codes: scale / global_scale,
+    correctly rounded as the reference divides, times 2^14 (exact)."""
+    return tl.math.div_rn(scale.to(tl.float32), global_scale) * E2M1_AS_FP16_UNSCALE
+
+
+@triton.jit
 def _dequant_halves(packed, scale, global_scale, ROWS: tl.constexpr, HALF: tl.constexpr):
     """packed u8 [ROWS, HALF] + scale fp8 [ROWS, HALF/8] -> fp32 (even, odd) [ROWS, HALF]:
     the weights at k = 2j (low nibbles) and k = 2j + 1 (high nibbles)."""
-    # Correctly rounded scale / global_scale, as the reference divides; * 2^14 is exact.
-    s = tl.math.div_rn(scale.to(tl.float32), global_scale) * E2M1_AS_FP16_UNSCALE
-    s = s[:, :, None]  # a group of 16 weights is 8 bytes
+    s = _group_multiplier(scale, global_scale)[:, :, None]  # a group of 16 weights is 8 bytes
     even = tl.reshape(_e2m1_as_fp16(packed & 0xF), (ROWS, HALF // 8, 8)).to(tl.float32) * s
     odd = tl.reshape(_e2m1_as_fp16(packed >> 4), (ROWS, HALF // 8, 8)).to(tl.float32) * s
     return tl.reshape(even, (ROWS, HALF)), tl.reshape(odd, (ROWS, HALF))
@@ -202,7 +207,7 @@ def nvfp4_gemv_kernel(
         p, sc = _load_weight_tile(packed_ptr, scale_ptr, offs_n, c, N, K, stride_pn, stride_sn,
                                   BLOCK_K, EVEN_K)
         k = c * BLOCK_K + offs_k
-        s = tl.math.div_rn(sc.to(tl.float32), global_scale) * E2M1_AS_FP16_UNSCALE
+        s = _group_multiplier(sc, global_scale)
         w_even = _e2m1_as_fp16(p & 0xF).to(tl.float32)  # [BLOCK_N, BLOCK_K/2]
         w_odd = _e2m1_as_fp16(p >> 4).to(tl.float32)
         for i in tl.static_range(BLOCK_M):
@@ -262,10 +267,8 @@ def _check(a: torch.Tensor, packed, scale, global_scale, width: int, what: str) 
     if a.dtype not in (torch.bfloat16, torch.float16):
         raise QuantizationError(f"{what} must be bfloat16 or float16, got {a.dtype}")
     if a.shape[-1] != width:
-        shape = (packed.shape[0], packed.shape[1] * 2)
-        raise QuantizationError(
-            f"{what} has last dim {a.shape[-1]}; the NVFP4 weight of shape {shape} needs {width}"
-        )
+        raise QuantizationError(f"{what} has last dim {a.shape[-1]}; the NVFP4 weight of "
+                                f"shape {red_dims(packed)} needs {width}")
     devices = {t.device for t in (a, packed, scale, global_scale)}
     if len(devices) != 1:
         raise QuantizationError(f"{what} and the weight are on different devices: {devices}")
@@ -336,8 +339,7 @@ def _run(op: str, a2, packed, scale, global_scale, bias=None):
     strides = (a2.stride(0), packed.stride(0), scale.stride(0),
                out.stride(0), out.stride(1), out.stride(2))
     common["EVEN_K"] = (k % cfg.block_c if op == "bwd" else k % cfg.block_r) == 0
-    if op == "gemv":
-        grid = (triton.cdiv(cols, cfg.block_c), cfg.split_k)
+    if op == "gemv":  # one program covers all M rows: block_m >= m
         nvfp4_gemv_kernel[grid](a2, packed, scale, global_scale,
                                 bias if bias is not None else global_scale, out, m, n, k,
                                 *strides, HAS_BIAS=bias is not None, **common)
