@@ -22,6 +22,7 @@ import torch
 from qerl import archs
 from qerl.bench.record import append_rows, provenance
 from qerl.formats import nvfp4
+from qerl.kernels import nvfp4_layout as layout
 from qerl.kernels import nvfp4_matmul as km
 
 M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -79,7 +80,11 @@ class LayerBench:
         self.q = nvfp4.quantize(w)
         self.w64 = nvfp4.dequantize(self.q, torch.float64)
         q = self.q
+        pairs = layout.to_pairs(q.packed)
         self.packed = rotating(
+            lambda: (pairs.clone(), q.scale.clone(), q.global_scale.clone()), n * k * 9 // 16)
+        # The naive baseline dequantizes compressed-tensors' packing, as the original does.
+        self.standard = rotating(
             lambda: (q.packed.clone(), q.scale.clone(), q.global_scale.clone()), n * k * 9 // 16)
         w_bf16 = w.to(torch.bfloat16)
         self.dense = rotating(lambda: w_bf16.clone(), 2 * n * k)
@@ -88,7 +93,7 @@ class LayerBench:
         fwd = op == "fwd"
         width, out_width = (self.k, self.n) if fwd else (self.n, self.k)
         a = torch.randn(m, width, device="cuda", dtype=torch.bfloat16)
-        packed, dense = self.packed, self.dense
+        packed, standard, dense = self.packed, self.standard, self.dense
         if fwd:
             def ours():
                 return km.nvfp4_linear(a, *packed())
@@ -97,7 +102,7 @@ class LayerBench:
                 return a @ dense().T
 
             def naive():
-                return a @ nvfp4.dequantize(nvfp4.NVFP4Tensor(*packed())).T
+                return a @ nvfp4.dequantize(nvfp4.NVFP4Tensor(*standard())).T
         else:
             def ours():
                 return km.nvfp4_linear_grad_input(a, *packed())
@@ -106,7 +111,7 @@ class LayerBench:
                 return a @ dense()
 
             def naive():
-                return a @ nvfp4.dequantize(nvfp4.NVFP4Tensor(*packed()))
+                return a @ nvfp4.dequantize(nvfp4.NVFP4Tensor(*standard()))
 
         ref = a.double() @ (self.w64.T if fwd else self.w64)
         err = ((ours().double() - ref).norm() / ref.norm()).item()

@@ -1,21 +1,25 @@
 """Fused NVFP4 dequantize + matmul (Triton): y = x @ deq(W)^T and dx = dy @ deq(W).
 
-The packed weight is read once and decoded in registers by bit placement: a code's three
-magnitude bits shifted into an fp16's exponent/mantissa (sign to bit 15) are exactly
-E2M1 * 2^-14, so ``fp16 * (scale * 2^14 / global_scale)`` is the dequantized weight, bit for
-bit what ``qerl.formats.nvfp4.dequantize`` computes in fp32 before rounding.
+The weight comes pair-interleaved (``nvfp4_layout``): the low nibbles of each 16-byte chunk
+are one group of 16 weights and the high nibbles the next, so a chunk decodes elementwise
+into two tensor-core operands of K = 16 with one scale each. Triton stages the packed bytes
+through shared memory and decodes them already in the mma operand layout.
 
-Triton's CPU interpreter (TRITON_INTERPRET=1, how CI runs these kernels) computes bf16
-tl.dot wrongly, so there ``DOT_F32`` feeds the dot fp32 operands instead; on a GPU the
-dot takes the activations' own dtype.
+Decoding (inline PTX, four bytes per call): a code's three magnitude bits shifted into the
+exponent/mantissa of a 16-bit float, its sign into bit 15, give E2M1 * 2^-126 as bf16 (code
+1 lands on a subnormal) or E2M1 * 2^-14 as fp16; one packed multiply by the group scale
+(times 2^64 for bf16) makes the weight * scale exactly (both have few significant bits), and
+the fp32 accumulator is multiplied once by 2^62 / global_scale (2^14 for fp16) at the end.
+So the products are exact and the weight is never rounded to 16 bits before the sum: the
+result equals the float64 reference to fp32 accumulation error. Triton's CPU interpreter
+(TRITON_INTERPRET=1, how CI runs these kernels) has no inline PTX and computes bf16 tl.dot
+wrongly, so there (``ASM`` False) the same loop decodes in fp32 arithmetic.
 
-The fused kernels serve small M (decode), where reading the weight is the whole cost: an
-FMA GEMV for M <= GEMV_MAX_M and a tl.dot kernel (M padded to 16) up to SKINNY_MAX_M. With
-``SPLIT_K > 1`` programs split the reduction and write fp32 partials ([SPLIT_K, M, cols],
-summed by the caller) so that the read is spread over the whole GPU. Beyond, the weight is
-decoded once by ``nvfp4_dequant_kernel`` and the product runs on cuBLAS: a fused tiled
-kernel measured 4-5x slower than cuBLAS at M >= 512 on an H200 (decoding each W tile once
-per M tile), and the tl.dot kernel loses to dequantize + cuBLAS from M = 32.
+Paths by M (rows of activations), from an H200 sweep (kernels/NOTES.md): the fused kernels
+up to FUSED_MAX_M; beyond, ``nvfp4_dequant_kernel`` decodes W once and cuBLAS multiplies,
+which measured faster from M = 64 on (the fused kernels decode each W tile once per M tile).
+Fused launches split the reduction (``SPLIT_K``, fp32 partials [SPLIT_K, M, cols] summed by
+the wrapper) until the grid has about four programs per SM.
 """
 
 from __future__ import annotations
@@ -29,232 +33,206 @@ import triton.language as tl
 
 from qerl.errors import QuantizationError
 from qerl.formats import nvfp4
+from qerl.kernels import nvfp4_layout as layout
 
-# E2M1 magnitude m placed as fp16 bits is m * 2^-14 (code 1 lands on a subnormal).
+# E2M1 magnitude placed as fp16 bits is E2M1 * 2^-14.
 E2M1_AS_FP16_UNSCALE = tl.constexpr(16384.0)
 
 
+def _decode_asm(mag_mask: int, lo_shift: int, hi_shift: int, mul: str) -> str:
+    """PTX: 4 bytes ($4) -> low nibbles ($0, $1) and high nibbles ($2, $3) as 16-bit pairs,
+    each multiplied by its scale pair ($5, $6 and $7, $8). prmt spreads bytes 0-1 and 2-3
+    into the low byte of each 16-bit half; the sign bit (3 or 7) goes to bit 15."""
+    lines = ["{", ".reg .b32 t0, t1, a, c;",
+             "prmt.b32 t0, $4, 0, 0x4140;", "prmt.b32 t1, $4, 0, 0x4342;"]
+    for out, src, mag_shift, sign_shift in ((0, "t0", lo_shift, 12), (1, "t1", lo_shift, 12),
+                                            (2, "t0", hi_shift, 8), (3, "t1", hi_shift, 8)):
+        lines += [f"shl.b32 a, {src}, {mag_shift};", f"and.b32 a, a, {mag_mask:#010x};",
+                  f"shl.b32 c, {src}, {sign_shift};", "and.b32 c, c, 0x80008000;",
+                  "or.b32 a, a, c;", f"{mul} ${out}, a, ${5 + out};"]
+    return "\n".join([*lines, "}"])
+
+
+# Magnitude bits at 6-8 (bf16: 2 exponent bits + 1 mantissa bit) or 9-11 (fp16).
+DECODE_BF16 = tl.constexpr(_decode_asm(0x01C001C0, 6, 2, "mul.rn.bf16x2"))
+DECODE_FP16 = tl.constexpr(_decode_asm(0x0E000E00, 9, 5, "mul.rn.f16x2"))
+CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,r,r,r,r,r")
+# Scale pre-factor and accumulator post-factor per dtype (see the module docstring).
+SCALE_FACTORS = {torch.bfloat16: (2.0 ** 64, 2.0 ** 62), torch.float16: (1.0, 2.0 ** 14)}
+
+
 @triton.jit
-def _e2m1_as_fp16(code):
-    """E2M1 codes (u8) -> fp16 equal to E2M1 * 2^-14: magnitude bits into exponent/mantissa,
-    sign to bit 15."""
+def _e2m1(code):
+    """E2M1 codes (u8, low 4 bits) -> fp32 values: the fp16 bit placement, rescaled."""
     bits = ((code & 7).to(tl.int16) << 9) | ((code & 8).to(tl.int16) << 12)
-    return bits.to(tl.float16, bitcast=True)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32) * E2M1_AS_FP16_UNSCALE
 
 
 @triton.jit
-def _group_multiplier(scale, global_scale):
-    """fp8 block scales -> fp32 multipliers of the fp16-placed codes: scale / global_scale,
-    correctly rounded as the reference divides, times 2^14 (exact)."""
-    return tl.math.div_rn(scale.to(tl.float32), global_scale) * E2M1_AS_FP16_UNSCALE
-
-
-@triton.jit
-def _dequant_halves(packed, scale, global_scale, ROWS: tl.constexpr, HALF: tl.constexpr):
-    """packed u8 [ROWS, HALF] + scale fp8 [ROWS, HALF/8] -> fp32 (even, odd) [ROWS, HALF]:
-    the weights at k = 2j (low nibbles) and k = 2j + 1 (high nibbles)."""
-    s = _group_multiplier(scale, global_scale)[:, :, None]  # a group of 16 weights is 8 bytes
-    even = tl.reshape(_e2m1_as_fp16(packed & 0xF), (ROWS, HALF // 8, 8)).to(tl.float32) * s
-    odd = tl.reshape(_e2m1_as_fp16(packed >> 4), (ROWS, HALF // 8, 8)).to(tl.float32) * s
-    return tl.reshape(even, (ROWS, HALF)), tl.reshape(odd, (ROWS, HALF))
-
-
-@triton.jit
-def _dequant_tile(packed, scale, global_scale, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """packed u8 [ROWS, COLS/2] + scale fp8 [ROWS, COLS/16] -> fp32 [ROWS, COLS]."""
-    even, odd = _dequant_halves(packed, scale, global_scale, ROWS, COLS // 2)
-    # join puts element 2j before 2j + 1.
-    return tl.reshape(tl.join(even, odd), (ROWS, COLS))
-
-
-@triton.jit
-def _load_weight_tile(packed_ptr, scale_ptr, rows, c, N, K, stride_pn, stride_sn,
-                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Rows ``rows`` of W, columns [c * BLOCK_K, (c + 1) * BLOCK_K): packed u8
-    [R, BLOCK_K/2] and scales [R, BLOCK_K/16]. The row strides come in as arguments, so
-    that Triton sees their divisibility and issues 16-byte loads; EVEN_K (K % BLOCK_K == 0)
-    drops the column mask, which would otherwise split the loads into single bytes."""
-    b = c * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-    g = c * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
-    row_ok = rows[:, None] < N
-    if EVEN_K:
-        p_mask = row_ok
-        s_mask = row_ok
+def _scaled_halves(b, s_lo, s_hi, ASM: tl.constexpr, BF16: tl.constexpr, PRE: tl.constexpr):
+    """Packed bytes b [R, C] and fp8 scales broadcastable to it -> (low nibbles * s_lo,
+    high nibbles * s_hi): 16-bit (x's dtype) by PTX, or fp32 under the interpreter."""
+    if ASM:
+        if BF16:
+            s_lo = tl.broadcast_to((s_lo.to(tl.float32) * PRE).to(tl.bfloat16), b.shape)
+            s_hi = tl.broadcast_to((s_hi.to(tl.float32) * PRE).to(tl.bfloat16), b.shape)
+            lo, hi = tl.inline_asm_elementwise(DECODE_BF16, CONSTRAINTS, [b, s_lo, s_hi],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+                                               pack=4)
+        else:
+            s_lo = tl.broadcast_to(s_lo.to(tl.float16), b.shape)
+            s_hi = tl.broadcast_to(s_hi.to(tl.float16), b.shape)
+            lo, hi = tl.inline_asm_elementwise(DECODE_FP16, CONSTRAINTS, [b, s_lo, s_hi],
+                                               dtype=(tl.float16, tl.float16), is_pure=True,
+                                               pack=4)
     else:
-        p_mask = row_ok & (b[None, :] < K // 2)
-        s_mask = row_ok & (g[None, :] < K // 16)
-    p = tl.load(packed_ptr + rows[:, None] * stride_pn + b[None, :], mask=p_mask, other=0)
-    sc = tl.load(scale_ptr + rows[:, None] * stride_sn + g[None, :], mask=s_mask, other=0.0)
-    return p, sc
+        lo = _e2m1(b & 0xF) * s_lo.to(tl.float32)
+        hi = _e2m1(b >> 4) * s_hi.to(tl.float32)
+    return lo, hi
 
 
 @triton.jit
-def _tile_ids(M, cols, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, GROUP_M: tl.constexpr):
-    """(pid_m, pid_c) in grouped order, so that neighbouring programs share weight tiles."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_c = tl.cdiv(cols, BLOCK_C)
-    group = GROUP_M * num_c
-    first_m = (pid // group) * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    return first_m + (pid % group) % size_m, (pid % group) // size_m
+def _all_below(like, value, limit):
+    """``value < limit`` broadcast to ``like``'s shape: Triton's interpreter cannot AND a
+    scalar predicate into a block mask."""
+    return like * 0 + value < limit
 
 
 @triton.jit
-def _reduction_range(red, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr):
-    chunks = tl.cdiv(red, BLOCK_R)
+def _split_range(chunks, SPLIT_K: tl.constexpr):
     per_split = tl.cdiv(chunks, SPLIT_K)
     start = tl.program_id(1) * per_split
     return start, min(chunks, start + per_split)
 
 
 @triton.jit
-def _store(out_ptr, acc, offs_m, offs_c, M, cols, stride_os, stride_om, stride_oc):
-    out = (out_ptr + tl.program_id(1) * stride_os + offs_m[:, None] * stride_om
-           + offs_c[None, :] * stride_oc)
-    mask = (offs_m[:, None] < M) & (offs_c[None, :] < cols)
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def nvfp4_fwd_kernel(
-    x_ptr, packed_ptr, scale_ptr, global_scale_ptr, bias_ptr, out_ptr,
+    x_ptr, pairs_ptr, scale_ptr, global_scale_ptr, bias_ptr, out_ptr,
     M, N, K,
-    stride_xm, stride_pn, stride_sn, stride_os, stride_om, stride_on,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    stride_xm, stride_pn, stride_sn, stride_os, stride_om,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr, BF16: tl.constexpr,
+    PRE: tl.constexpr, POST: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr,
 ):
-    """out[M, N] = x[M, K] @ deq(W[N, K])^T (+ bias): W tiles are [BLOCK_N, BLOCK_K]."""
-    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    global_scale = tl.load(global_scale_ptr)
+    """out[M, N] = x[M, K] @ deq(W[N, K])^T (+ bias). A program owns BLOCK_N rows of W and
+    walks its share of K, PAIRS 16-byte chunks (2 x PAIRS groups) per iteration."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    j = tl.arange(0, 16)
+    n_ok = offs_n < N
+    x_ok = rows[:, None] < M
+    groups = K // 16
+    start, stop = _split_range(tl.cdiv(groups, 2 * PAIRS), SPLIT_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    start, stop = _reduction_range(K, BLOCK_K, SPLIT_K)
     for c in range(start, stop):
-        k = c * BLOCK_K + offs_k
-        x_mask = offs_m[:, None] < M
-        if not EVEN_K:
-            x_mask = x_mask & (k[None, :] < K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
-        p, sc = _load_weight_tile(packed_ptr, scale_ptr, offs_n, c, N, K, stride_pn, stride_sn,
-                                  BLOCK_K, EVEN_K)
-        # Interleaving the decoded weights (tl.join) measured faster than splitting x into
-        # its even/odd columns, whose stride-2 loads cost 2-4x at M = 16-64 (H200).
-        w = _dequant_tile(p, sc, global_scale, BLOCK_N, BLOCK_K)
-        if DOT_F32:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w))
-        else:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        for i in tl.static_range(PAIRS):
+            p = c * PAIRS + i
+            k_lo = p * 32 + j
+            if EVEN_K:
+                b_ok = n_ok[:, None]
+                s_lo_ok = n_ok
+                s_hi_ok = n_ok
+                x_lo_ok = x_ok
+                x_hi_ok = x_ok
+            else:  # a chunk past the end, or the padded half of the last one, reads zeros
+                b_ok = n_ok[:, None] & (k_lo[None, :] < K)
+                s_lo_ok = n_ok & _all_below(offs_n, 2 * p, groups)
+                s_hi_ok = n_ok & _all_below(offs_n, 2 * p + 1, groups)
+                x_lo_ok = x_ok & (k_lo[None, :] < K)
+                x_hi_ok = x_ok & (k_lo[None, :] + 16 < K)
+            b = tl.load(pairs_ptr + offs_n[:, None] * stride_pn + p * 16 + j[None, :],
+                        mask=b_ok, other=0)
+            s_lo = tl.load(scale_ptr + offs_n * stride_sn + 2 * p, mask=s_lo_ok, other=0.0)
+            s_hi = tl.load(scale_ptr + offs_n * stride_sn + 2 * p + 1, mask=s_hi_ok, other=0.0)
+            x_row = x_ptr + rows[:, None] * stride_xm + k_lo[None, :]
+            x_lo = tl.load(x_row, mask=x_lo_ok, other=0.0)
+            x_hi = tl.load(x_row + 16, mask=x_hi_ok, other=0.0)
+            w_lo, w_hi = _scaled_halves(tl.trans(b), s_lo[None, :], s_hi[None, :], ASM, BF16, PRE)
+            if not ASM:
+                x_lo = x_lo.to(tl.float32)
+                x_hi = x_hi.to(tl.float32)
+            acc = tl.dot(x_lo, w_lo, acc)
+            acc = tl.dot(x_hi, w_hi, acc)
+    acc = acc * (POST / tl.load(global_scale_ptr))
     if HAS_BIAS:  # noqa: SIM102 (a constexpr test: Triton compiles the branch away)
         if tl.program_id(1) == 0:
-            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    _store(out_ptr, acc, offs_m, offs_n, M, N, stride_os, stride_om, stride_on)
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + tl.program_id(1) * stride_os + rows[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=x_ok & n_ok[None, :])
 
 
 @triton.jit
 def nvfp4_bwd_kernel(
-    dy_ptr, packed_ptr, scale_ptr, global_scale_ptr, out_ptr,
+    dy_ptr, pairs_ptr, scale_ptr, global_scale_ptr, out_ptr,
     M, N, K,
-    stride_dym, stride_pn, stride_sn, stride_os, stride_om, stride_ok,
-    SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    stride_dym, stride_pn, stride_sn, stride_os, stride_om,
+    SPLIT_K: tl.constexpr, ASM: tl.constexpr, BF16: tl.constexpr, PRE: tl.constexpr,
+    POST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """out[M, K] = dy[M, N] @ deq(W[N, K]): W tiles are [BLOCK_N, BLOCK_K], reduced over N."""
-    pid_m, pid_k = _tile_ids(M, K, BLOCK_M, BLOCK_K, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_n = tl.arange(0, BLOCK_N)
-    global_scale = tl.load(global_scale_ptr)
-    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    start, stop = _reduction_range(N, BLOCK_N, SPLIT_K)
+    """out[M, K] = dy[M, N] @ deq(W[N, K]). A program owns one 16-byte chunk of columns
+    (32 outputs: its low-nibble group, then its high one) and reduces over N."""
+    p = tl.program_id(0)
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    j = tl.arange(0, 16)
+    x_ok = rows[:, None] < M
+    start, stop = _split_range(tl.cdiv(N, BLOCK_N), SPLIT_K)
+    acc_lo = tl.zeros((BLOCK_M, 16), dtype=tl.float32)
+    acc_hi = tl.zeros((BLOCK_M, 16), dtype=tl.float32)
     for c in range(start, stop):
-        n = c * BLOCK_N + offs_n
-        dy = tl.load(dy_ptr + offs_m[:, None] * stride_dym + n[None, :],
-                     mask=(offs_m[:, None] < M) & (n[None, :] < N), other=0.0)
-        p, sc = _load_weight_tile(packed_ptr, scale_ptr, n, pid_k, N, K, stride_pn, stride_sn,
-                                  BLOCK_K, EVEN_K)
-        w = _dequant_tile(p, sc, global_scale, BLOCK_N, BLOCK_K)
-        if DOT_F32:
-            acc += tl.dot(dy.to(tl.float32), w)
-        else:
-            acc += tl.dot(dy, w.to(dy.dtype))
-    _store(out_ptr, acc, offs_m, offs_k, M, K, stride_os, stride_om, stride_ok)
+        n = c * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        b = tl.load(pairs_ptr + n[:, None] * stride_pn + p * 16 + j[None, :],
+                    mask=n_ok[:, None], other=0)
+        s_lo = tl.load(scale_ptr + n * stride_sn + 2 * p, mask=n_ok, other=0.0)
+        s_hi = tl.load(scale_ptr + n * stride_sn + 2 * p + 1,
+                       mask=n_ok & _all_below(n, 2 * p + 1, K // 16), other=0.0)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + n[None, :],
+                     mask=x_ok & n_ok[None, :], other=0.0)
+        w_lo, w_hi = _scaled_halves(b, s_lo[:, None], s_hi[:, None], ASM, BF16, PRE)
+        if not ASM:
+            dy = dy.to(tl.float32)
+        acc_lo = tl.dot(dy, w_lo, acc_lo)
+        acc_hi = tl.dot(dy, w_hi, acc_hi)
+    post = POST / tl.load(global_scale_ptr)
+    out = out_ptr + tl.program_id(1) * stride_os + rows[:, None] * stride_om + p * 32 + j[None, :]
+    tl.store(out, (acc_lo * post).to(out_ptr.dtype.element_ty), mask=x_ok)
+    tl.store(out + 16, (acc_hi * post).to(out_ptr.dtype.element_ty),
+             mask=x_ok & (p * 32 + 16 + j[None, :] < K))
 
 
 @triton.jit
-def nvfp4_gemv_kernel(
-    x_ptr, packed_ptr, scale_ptr, global_scale_ptr, bias_ptr, out_ptr,
-    M, N, K,
-    stride_xm, stride_pn, stride_sn, stride_os, stride_om, stride_on,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """out[M, N] = x[M, K] @ deq(W[N, K])^T (+ bias) for M <= BLOCK_M <= 8, on FMAs: x is
-    split into its even and odd columns (matching the low and high nibbles, so the decoded
-    weights are never interleaved) and each group scale multiplies one 16-weight partial
-    sum instead of every weight."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    rows = tl.arange(0, BLOCK_M)
-    global_scale = tl.load(global_scale_ptr)
-    # Scaled group sums accumulate per (row, n, group) and are reduced across threads once,
-    # after the loop.
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
-    start, stop = _reduction_range(K, BLOCK_K, SPLIT_K)
-    for c in range(start, stop):
-        p, sc = _load_weight_tile(packed_ptr, scale_ptr, offs_n, c, N, K, stride_pn, stride_sn,
-                                  BLOCK_K, EVEN_K)
-        k = c * BLOCK_K + offs_k
-        s = _group_multiplier(sc, global_scale)
-        w_even = _e2m1_as_fp16(p & 0xF).to(tl.float32)  # [BLOCK_N, BLOCK_K/2]
-        w_odd = _e2m1_as_fp16(p >> 4).to(tl.float32)
-        for i in tl.static_range(BLOCK_M):
-            x_mask = k * 0 + i < M
-            if not EVEN_K:
-                x_mask = x_mask & (k < K)
-            x = tl.load(x_ptr + i * stride_xm + k, mask=x_mask, other=0.0).to(tl.float32)
-            x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_K // 2, 2)))
-            prod = w_even * x_even[None, :] + w_odd * x_odd[None, :]
-            groups = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 16, 8)), axis=2)
-            acc += tl.where(rows[:, None, None] == i, (groups * s)[None, :, :], 0.0)
-    out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
-    if HAS_BIAS:  # noqa: SIM102 (a constexpr test: Triton compiles the branch away)
-        if tl.program_id(1) == 0:
-            out += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    _store(out_ptr, out, rows, offs_n, M, N, stride_os, stride_om, stride_on)
-
-
-@triton.jit
-def nvfp4_dequant_kernel(packed_ptr, scale_ptr, global_scale_ptr, out_ptr, N, K,
+def nvfp4_dequant_kernel(pairs_ptr, scale_ptr, global_scale_ptr, out_ptr, N, K,
                          stride_pn, stride_sn, stride_on,
-                         EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[N, K] = deq(W) in out's dtype: the large-M path's one pass over the weight."""
+                         BLOCK_N: tl.constexpr, PAIRS: tl.constexpr):
+    """out[N, K] = deq(W) in out's dtype, bit for bit as nvfp4.dequantize: each weight is
+    E2M1 * (scale / global_scale) in fp32, rounded once."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    p, sc = _load_weight_tile(packed_ptr, scale_ptr, offs_n, tl.program_id(1), N, K,
-                              stride_pn, stride_sn, BLOCK_K, EVEN_K)
-    w = _dequant_tile(p, sc, tl.load(global_scale_ptr), BLOCK_N, BLOCK_K)
-    mask = offs_n[:, None] < N
-    if not EVEN_K:
-        mask = mask & (offs_k[None, :] < K)
-    tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :],
-             w.to(out_ptr.dtype.element_ty), mask=mask)
+    p = tl.program_id(1) * PAIRS + tl.arange(0, PAIRS)
+    j = tl.arange(0, 16)
+    rows_ok = (offs_n < N)[:, None]
+    n_ok = rows_ok[:, :, None]
+    groups = K // 16
+    b = tl.load(pairs_ptr + offs_n[:, None, None] * stride_pn + p[None, :, None] * 16
+                + j[None, None, :], mask=n_ok & (2 * p < groups)[None, :, None], other=0)
+    s_ptr = scale_ptr + offs_n[:, None] * stride_sn + 2 * p[None, :]
+    s_lo = tl.load(s_ptr, mask=rows_ok & (2 * p < groups)[None, :], other=0.0)
+    s_hi = tl.load(s_ptr + 1, mask=rows_ok & (2 * p + 1 < groups)[None, :], other=0.0)
+    global_scale = tl.load(global_scale_ptr)
+    # Correctly rounded scale / global_scale, as the reference divides.
+    w_lo = _e2m1(b & 0xF) * tl.math.div_rn(s_lo.to(tl.float32), global_scale)[:, :, None]
+    w_hi = _e2m1(b >> 4) * tl.math.div_rn(s_hi.to(tl.float32), global_scale)[:, :, None]
+    k_lo = p[None, :, None] * 32 + j[None, None, :]
+    out = out_ptr + offs_n[:, None, None] * stride_on + k_lo
+    tl.store(out, w_lo.to(out_ptr.dtype.element_ty), mask=n_ok & (k_lo < K))
+    tl.store(out + 16, w_hi.to(out_ptr.dtype.element_ty), mask=n_ok & (k_lo + 16 < K))
 
 
-# ---- launch wrappers: check inputs, pick the variant by M --------------------------------
+# ---- launch wrappers: check inputs, pick the path by M -----------------------------------
 
-# Paths by M (rows of activations), chosen by an H200 sweep (kernels/NOTES.md): the FMA
-# GEMV up to GEMV_MAX_M, the fused tl.dot kernel up to SKINNY_MAX_M, one dequantize kernel
-# then cuBLAS beyond. GEMV tiles as (BLOCK_N, BLOCK_K, num_warps, num_stages): wide layers
-# (gate_up, qkv) want more rows per program, tall ones (down, N < 8192) longer K chunks.
-# Module-level so that a benchmark sweep can try others.
-GEMV_MAX_M = 2
-SKINNY_MAX_M = 16
-GEMV_TILE_WIDE = (16, 512, 4, 3)
-GEMV_TILE_TALL = (8, 1024, 4, 3)
-WIDE_N = 8192
+# Largest M run by the fused kernels; module-level so that a benchmark sweep can move it.
+FUSED_MAX_M = 32
+# Programs per SM that split-K aims for (4 beat 2 and 8 on an H200).
+PROGRAMS_PER_SM = 4
 
 
 def interpreting() -> bool:
@@ -262,14 +240,15 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _check(a: torch.Tensor, packed, scale, global_scale, width: int, what: str) -> None:
-    nvfp4.check_packed(packed, scale, global_scale)
-    if a.dtype not in (torch.bfloat16, torch.float16):
+def _check(a: torch.Tensor, pairs, scale, global_scale, width: int, what: str) -> None:
+    """Validate the weight, then the activations ``a`` whose last dim must be ``width``."""
+    n, k = layout.check_layer(pairs, scale, global_scale)
+    if a.dtype not in SCALE_FACTORS:
         raise QuantizationError(f"{what} must be bfloat16 or float16, got {a.dtype}")
     if a.shape[-1] != width:
         raise QuantizationError(f"{what} has last dim {a.shape[-1]}; the NVFP4 weight of "
-                                f"shape {red_dims(packed)} needs {width}")
-    devices = {t.device for t in (a, packed, scale, global_scale)}
+                                f"shape {(n, k)} needs {width}")
+    devices = {t.device for t in (a, pairs, scale, global_scale)}
     if len(devices) != 1:
         raise QuantizationError(f"{what} and the weight are on different devices: {devices}")
     if a.device.type != "cuda" and not interpreting():
@@ -287,125 +266,116 @@ def _num_sms(device: torch.device) -> int:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tile sizes of one launch. ``block_c``: output columns per program (N forward, K
-    backward); ``block_r``: reduction chunk (K forward, N backward)."""
+    """One fused launch. ``block_c``: output columns per program (N forward; backward a
+    program owns 32 columns and ``block_c`` is its reduction chunk of N)."""
 
     block_m: int
     block_c: int
-    block_r: int
+    pairs: int
     split_k: int
-    num_warps: int
-    num_stages: int
-
-    def meta(self, op: str) -> dict:
-        cols, red = ("BLOCK_K", "BLOCK_N") if op == "bwd" else ("BLOCK_N", "BLOCK_K")
-        meta = {"BLOCK_M": self.block_m, cols: self.block_c, red: self.block_r,
-                "SPLIT_K": self.split_k, "num_warps": self.num_warps,
-                "num_stages": self.num_stages}
-        return meta if op == "gemv" else {**meta, "GROUP_M": 8}
+    num_warps: int = 4
+    num_stages: int = 4
 
 
-def launch_config(op: str, m: int, cols: int, red: int, num_sms: int) -> LaunchConfig:
-    """Tiles of a fused kernel (op: gemv | fwd | bwd) with output M x cols reduced over
-    ``red``: split K until the grid covers the GPU twice."""
-    if op == "gemv":
-        block_m = triton.next_power_of_2(m)
-        tile = GEMV_TILE_WIDE if cols >= WIDE_N else GEMV_TILE_TALL
-        block_c, block_r, warps, stages = tile
+def launch_config(op: str, m: int, n: int, k: int, num_sms: int) -> LaunchConfig:
+    """Tiles of a fused launch (op: fwd | bwd) for an M x K by (N, K) weight problem, from
+    an H200 sweep over BLOCK_N 32-128, PAIRS 1-4 and 2-8 programs per SM."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_c, pairs = 128, 2
+    if op == "fwd":
+        tiles, chunks = triton.cdiv(n, block_c), triton.cdiv(k, 32 * pairs)
     else:
-        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        block_c, block_r = (64, 256) if op == "fwd" else (128, 128)
-        warps, stages = 4, 3 if block_m == 64 else 4
-    chunks = triton.cdiv(red, block_r)
-    split = max(1, min(chunks, triton.cdiv(2 * num_sms, triton.cdiv(cols, block_c))))
-    return LaunchConfig(block_m, block_c, block_r, split, warps, stages)
+        tiles, chunks = triton.cdiv(k, 32), triton.cdiv(n, block_c)
+    split = max(1, min(chunks, triton.cdiv(PROGRAMS_PER_SM * num_sms, tiles)))
+    return LaunchConfig(block_m, block_c, pairs, split)
 
 
-def red_dims(packed: torch.Tensor) -> tuple[int, int]:
-    """(N, K) of a packed weight."""
-    return packed.shape[0], packed.shape[1] * 2
+def _kernel_flags(dtype: torch.dtype) -> dict:
+    asm = not interpreting()
+    pre, post = SCALE_FACTORS[dtype] if asm else (1.0, 1.0)
+    return {"ASM": asm, "BF16": dtype == torch.bfloat16, "PRE": pre, "POST": post}
 
 
-def _run(op: str, a2, packed, scale, global_scale, bias=None):
-    n, k = red_dims(packed)
+def _fused(op: str, a2, pairs, scale, global_scale, bias=None):
+    n, k = pairs.shape[0], scale.shape[1] * nvfp4.GROUP_SIZE
     m = a2.shape[0]
-    cols, red = (k, n) if op == "bwd" else (n, k)
-    cfg = launch_config(op, m, cols, red, _num_sms(a2.device))
+    cfg = launch_config(op, m, n, k, _num_sms(a2.device))
+    cols = n if op == "fwd" else k
     out_dtype = torch.float32 if cfg.split_k > 1 else a2.dtype
     out = torch.empty((cfg.split_k, m, cols), dtype=out_dtype, device=a2.device)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(cols, cfg.block_c), cfg.split_k)
-    dot_f32 = {"DOT_F32": interpreting() and a2.dtype == torch.bfloat16}
-    common = cfg.meta(op) if op == "gemv" else {**dot_f32, **cfg.meta(op)}
-    strides = (a2.stride(0), packed.stride(0), scale.stride(0),
-               out.stride(0), out.stride(1), out.stride(2))
-    common["EVEN_K"] = (k % cfg.block_c if op == "bwd" else k % cfg.block_r) == 0
-    if op == "gemv":  # one program covers all M rows: block_m >= m
-        nvfp4_gemv_kernel[grid](a2, packed, scale, global_scale,
-                                bias if bias is not None else global_scale, out, m, n, k,
-                                *strides, HAS_BIAS=bias is not None, **common)
-    elif op == "fwd":
-        nvfp4_fwd_kernel[grid](a2, packed, scale, global_scale,
+    strides = (a2.stride(0), pairs.stride(0), scale.stride(0), out.stride(0), out.stride(1))
+    meta = {**_kernel_flags(a2.dtype), "SPLIT_K": cfg.split_k, "BLOCK_M": cfg.block_m,
+            "BLOCK_N": cfg.block_c, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    m_tiles = triton.cdiv(m, cfg.block_m)
+    if op == "fwd":
+        grid = (triton.cdiv(n, cfg.block_c), cfg.split_k, m_tiles)
+        nvfp4_fwd_kernel[grid](a2, pairs, scale, global_scale,
                                bias if bias is not None else global_scale, out, m, n, k,
-                               *strides, HAS_BIAS=bias is not None, **common)
+                               *strides, HAS_BIAS=bias is not None, PAIRS=cfg.pairs,
+                               EVEN_K=k % (32 * cfg.pairs) == 0, **meta)
     else:
-        nvfp4_bwd_kernel[grid](a2, packed, scale, global_scale, out, m, n, k, *strides,
-                               **common)
+        grid = (triton.cdiv(k, 32), cfg.split_k, m_tiles)
+        nvfp4_bwd_kernel[grid](a2, pairs, scale, global_scale, out, m, n, k, *strides, **meta)
     return out[0] if cfg.split_k == 1 else out.sum(0).to(a2.dtype)
 
 
-def dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+def dequantize(pairs: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                dtype: torch.dtype) -> torch.Tensor:
     """deq(W) [N, K] in ``dtype``, in one kernel (bit-identical to nvfp4.dequantize)."""
-    n, k = red_dims(packed)
-    out = torch.empty((n, k), dtype=dtype, device=packed.device)
-    block_n, block_k = 32, 256
-    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
-    nvfp4_dequant_kernel[grid](packed, scale, global_scale, out, n, k, packed.stride(0),
-                               scale.stride(0), out.stride(0), EVEN_K=k % block_k == 0,
-                               BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    n, k = layout.check_layer(pairs, scale, global_scale)
+    out = torch.empty((n, k), dtype=dtype, device=pairs.device)
+    block_n, chunk_pairs = 32, 8
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k, 32 * chunk_pairs))
+    nvfp4_dequant_kernel[grid](pairs, scale, global_scale, out, n, k, pairs.stride(0),
+                               scale.stride(0), out.stride(0), BLOCK_N=block_n,
+                               PAIRS=chunk_pairs, num_warps=4)
     return out
 
 
-def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+def nvfp4_linear(x: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
                  global_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y[..., N] = x[..., K] @ deq(W)^T + bias, fp32 accumulation, in x's dtype."""
-    n, k = red_dims(packed)
-    _check(x, packed, scale, global_scale, k, "x")
+    """y[..., N] = x[..., K] @ deq(W)^T + bias, fp32 accumulation, in x's dtype; W given
+    pair-interleaved (nvfp4_layout.to_pairs)."""
+    n, k = pairs.shape[0], scale.shape[-1] * nvfp4.GROUP_SIZE
+    _check(x, pairs, scale, global_scale, k, "x")
     if bias is not None and (bias.shape != (n,) or bias.device != x.device):
         raise QuantizationError(f"bias must have shape ({n},) on {x.device}, got "
                                 f"{tuple(bias.shape)} on {bias.device}")
     x2 = x.reshape(-1, k).contiguous()
     if x2.shape[0] == 0:
         return x.new_empty((*x.shape[:-1], n))
-    m = x2.shape[0]
-    if m > SKINNY_MAX_M:  # compute-bound: decode W once, then the BF16 GEMM
-        w = dequantize(packed, scale, global_scale, x.dtype)
+    if x2.shape[0] > FUSED_MAX_M:  # compute-bound: decode W once, then the BF16 GEMM
+        w = dequantize(pairs, scale, global_scale, x.dtype)
         return torch.nn.functional.linear(x2, w, bias).reshape(*x.shape[:-1], n)
-    op = "gemv" if m <= GEMV_MAX_M else "fwd"
-    return _run(op, x2, packed, scale, global_scale, bias).reshape(*x.shape[:-1], n)
+    return _fused("fwd", x2, pairs, scale, global_scale, bias).reshape(*x.shape[:-1], n)
 
 
-def nvfp4_linear_grad_input(dy: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+def nvfp4_linear_grad_input(dy: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
                             global_scale: torch.Tensor) -> torch.Tensor:
     """dx[..., K] = dy[..., N] @ deq(W): the input gradient of a frozen NVFP4 Linear."""
-    n, k = red_dims(packed)
-    _check(dy, packed, scale, global_scale, n, "dy")
+    n, k = pairs.shape[0], scale.shape[-1] * nvfp4.GROUP_SIZE
+    _check(dy, pairs, scale, global_scale, n, "dy")
     dy2 = dy.reshape(-1, n).contiguous()
     if dy2.shape[0] == 0:
         return dy.new_empty((*dy.shape[:-1], k))
-    if dy2.shape[0] > SKINNY_MAX_M:
-        w = dequantize(packed, scale, global_scale, dy.dtype)
+    if dy2.shape[0] > FUSED_MAX_M:
+        w = dequantize(pairs, scale, global_scale, dy.dtype)
         return (dy2 @ w).reshape(*dy.shape[:-1], k)
-    return _run("bwd", dy2, packed, scale, global_scale).reshape(*dy.shape[:-1], k)
+    return _fused("bwd", dy2, pairs, scale, global_scale).reshape(*dy.shape[:-1], k)
 
 
-def reference_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+def _reference_weight(pairs, scale, global_scale, dtype):
+    k = layout.check_layer(pairs, scale, global_scale)[1]
+    packed = layout.from_pairs(pairs, k)
+    return nvfp4.dequantize(nvfp4.NVFP4Tensor(packed, scale, global_scale), dtype)
+
+
+def reference_linear(x: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
                      global_scale: torch.Tensor, bias: torch.Tensor | None = None):
     """The torch reference (any device): dequantize to x's dtype, then matmul."""
-    w = nvfp4.dequantize(nvfp4.NVFP4Tensor(packed, scale, global_scale), x.dtype)
+    w = _reference_weight(pairs, scale, global_scale, x.dtype)
     return torch.nn.functional.linear(x, w, bias)
 
 
-def reference_grad_input(dy, packed, scale, global_scale):
-    w = nvfp4.dequantize(nvfp4.NVFP4Tensor(packed, scale, global_scale), dy.dtype)
-    return dy @ w
+def reference_grad_input(dy, pairs, scale, global_scale):
+    return dy @ _reference_weight(pairs, scale, global_scale, dy.dtype)

@@ -4,6 +4,7 @@ the date, the card and the library versions it was measured with."""
 from __future__ import annotations
 
 import csv
+import importlib.metadata
 import platform
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,6 +24,13 @@ def card_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
 def provenance(device: str) -> dict:
     """The leading columns of every row."""
     import transformers
@@ -33,6 +41,7 @@ def provenance(device: str) -> dict:
         "device": device,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "triton": _version("triton"),
     }
 
 

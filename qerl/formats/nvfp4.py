@@ -62,13 +62,18 @@ def check_packed(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.
             f"weight_packed must be a 2-D uint8 tensor, got {packed.dtype} {tuple(packed.shape)}"
         )
     n, half_k = packed.shape
-    if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != (n, 2 * half_k // GROUP_SIZE):
-        raise QuantizationError(
-            f"weight_scale must be float8_e4m3fn of shape {(n, 2 * half_k // GROUP_SIZE)} for "
-            f"weight_packed {tuple(packed.shape)}, got {scale.dtype} {tuple(scale.shape)}"
-        )
     if (2 * half_k) % GROUP_SIZE:
         raise QuantizationError(f"K = {2 * half_k} is not a multiple of {GROUP_SIZE}")
+    check_scales(scale, global_scale, n, 2 * half_k)
+
+
+def check_scales(scale: torch.Tensor, global_scale: torch.Tensor, n: int, k: int) -> None:
+    """Raise QuantizationError unless ``scale`` and ``global_scale`` fit an [n, k] weight."""
+    if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != (n, k // GROUP_SIZE):
+        raise QuantizationError(
+            f"weight_scale must be float8_e4m3fn of shape {(n, k // GROUP_SIZE)} for a "
+            f"weight of shape {(n, k)}, got {scale.dtype} {tuple(scale.shape)}"
+        )
     if global_scale.dtype != torch.float32 or global_scale.numel() != 1:
         raise QuantizationError(
             f"weight_global_scale must be one float32, got {global_scale.dtype} "

@@ -8,6 +8,7 @@ from torch import nn
 
 from qerl.checkpoint import NVFP4Checkpoint
 from qerl.formats import nvfp4
+from qerl.kernels import nvfp4_layout as layout
 from qerl.kernels import nvfp4_matmul as kernels
 
 
@@ -19,32 +20,34 @@ class NVFP4LinearFunction(torch.autograd.Function):
     """y = x @ deq(W)^T + b; gradients flow to x (and a trainable bias), never to W."""
 
     @staticmethod
-    def forward(ctx, x, packed, scale, global_scale, bias):
-        ctx.save_for_backward(packed, scale, global_scale)
+    def forward(ctx, x, pairs, scale, global_scale, bias):
+        ctx.save_for_backward(pairs, scale, global_scale)
         ctx.bias_needs_grad = bias is not None and bias.requires_grad
         run = kernels.nvfp4_linear if _use_kernels(x) else kernels.reference_linear
-        return run(x, packed, scale, global_scale, bias)
+        return run(x, pairs, scale, global_scale, bias)
 
     @staticmethod
     def backward(ctx, dy):
-        packed, scale, global_scale = ctx.saved_tensors
+        pairs, scale, global_scale = ctx.saved_tensors
         dx = None
         if ctx.needs_input_grad[0]:
             run = (kernels.nvfp4_linear_grad_input if _use_kernels(dy)
                    else kernels.reference_grad_input)
-            dx = run(dy.contiguous(), packed, scale, global_scale)
+            dx = run(dy.contiguous(), pairs, scale, global_scale)
         dbias = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.bias_needs_grad else None
         return dx, None, None, None, dbias
 
 
 class NVFP4Linear(nn.Module):
-    """``nn.Linear`` with a frozen NVFP4 weight (buffers named as in compressed-tensors
-    checkpoints: weight_packed, weight_scale, weight_global_scale)."""
+    """``nn.Linear`` with a frozen NVFP4 weight. Buffers: ``weight_pairs``, the codes in the
+    kernels' pair-interleaved layout (permuted once, here, from the checkpoint's
+    ``weight_packed``, which ``packed_weight`` gives back), and ``weight_scale`` and
+    ``weight_global_scale`` as in compressed-tensors checkpoints."""
 
     def __init__(self, weight: nvfp4.NVFP4Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight_packed", weight.packed)
+        self.register_buffer("weight_pairs", layout.to_pairs(weight.packed))
         self.register_buffer("weight_scale", weight.scale)
         self.register_buffer("weight_global_scale", weight.global_scale)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
@@ -64,14 +67,16 @@ class NVFP4Linear(nn.Module):
 
     @property
     def packed_weight(self) -> nvfp4.NVFP4Tensor:
-        return nvfp4.NVFP4Tensor(self.weight_packed, self.weight_scale, self.weight_global_scale)
+        """The weight in compressed-tensors' packing."""
+        packed = layout.from_pairs(self.weight_pairs, self.in_features)
+        return nvfp4.NVFP4Tensor(packed, self.weight_scale, self.weight_global_scale)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return nvfp4.dequantize(self.packed_weight, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return NVFP4LinearFunction.apply(x, self.weight_packed, self.weight_scale,
+        return NVFP4LinearFunction.apply(x, self.weight_pairs, self.weight_scale,
                                          self.weight_global_scale, bias)
 
     def extra_repr(self) -> str:

@@ -1,7 +1,7 @@
 """Compile every launch configuration of the NVFP4 kernels for sm_90 (no GPU needed) and
-print, as JSON, each one's shared memory, local-memory traffic (register spills) and the
-width of its packed-weight loads. Run without TRITON_INTERPRET: the interpreter accepts
-programs the compiler rejects.
+print, as JSON, each one's shared memory, local-memory traffic (register spills), its
+byte-wide and 16-byte asynchronous global loads and its tensor-core instructions. Run
+without TRITON_INTERPRET: the interpreter accepts programs the compiler rejects.
 
 Arguments are specialised as at a real launch on Qwen2.5 shapes: pointers 16-byte aligned
 and integer sizes and strides divisible by 16 (Triton's own specialisation)."""
@@ -20,17 +20,15 @@ from triton.compiler import ASTSource
 
 from qerl.kernels import nvfp4_matmul as km
 
-FWD_POINTERS = ("x_ptr", "packed_ptr", "scale_ptr", "global_scale_ptr", "bias_ptr", "out_ptr")
-POINTERS = {"fwd": FWD_POINTERS, "gemv": FWD_POINTERS,
-            "bwd": ("dy_ptr", "packed_ptr", "scale_ptr", "global_scale_ptr", "out_ptr")}
-TYPES = {"packed_ptr": "*u8", "scale_ptr": "*fp8e4nv", "global_scale_ptr": "*fp32",
+POINTERS = {"fwd": ("x_ptr", "pairs_ptr", "scale_ptr", "global_scale_ptr", "bias_ptr",
+                    "out_ptr"),
+            "bwd": ("dy_ptr", "pairs_ptr", "scale_ptr", "global_scale_ptr", "out_ptr")}
+TYPES = {"pairs_ptr": "*u8", "scale_ptr": "*fp8e4nv", "global_scale_ptr": "*fp32",
          "out_ptr": "*fp32"}
-FWD_SCALARS = ("M", "N", "K", "stride_xm", "stride_pn", "stride_sn", "stride_os", "stride_om",
-               "stride_on")
-SCALARS = {"fwd": FWD_SCALARS, "gemv": FWD_SCALARS,
+SCALARS = {"fwd": ("M", "N", "K", "stride_xm", "stride_pn", "stride_sn", "stride_os",
+                   "stride_om"),
            "bwd": ("M", "N", "K", "stride_dym", "stride_pn", "stride_sn", "stride_os",
-                   "stride_om", "stride_ok")}
-UNIT_STRIDES = ("stride_on", "stride_ok")  # 1 at every launch: not divisible by 16
+                   "stride_om")}
 
 
 def _sass(cubin: bytes) -> str:
@@ -42,35 +40,41 @@ def _sass(cubin: bytes) -> str:
                               text=True, check=True).stdout
 
 
-def compile_config(op: str, cfg: km.LaunchConfig) -> dict:
-    kernel = {"gemv": km.nvfp4_gemv_kernel, "fwd": km.nvfp4_fwd_kernel,
-              "bwd": km.nvfp4_bwd_kernel}[op]
-    meta = cfg.meta(op)
-    options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
-    constexprs = {**meta, "EVEN_K": True, **({"DOT_F32": False} if op != "gemv" else {}),
-                  **({"HAS_BIAS": True} if op != "bwd" else {})}
-    signature = {p: TYPES.get(p, "*bf16") for p in POINTERS[op]}
+def compile_config(op: str, cfg: km.LaunchConfig, dtype: str) -> dict:
+    kernel = {"fwd": km.nvfp4_fwd_kernel, "bwd": km.nvfp4_bwd_kernel}[op]
+    flags = {"ASM": True, "BF16": dtype == "bf16", "PRE": 2.0 ** 64 if dtype == "bf16" else 1.0,
+             "POST": 2.0 ** 62 if dtype == "bf16" else 2.0 ** 14}
+    constexprs = {**flags, "SPLIT_K": cfg.split_k, "BLOCK_M": cfg.block_m,
+                  "BLOCK_N": cfg.block_c,
+                  **({"HAS_BIAS": True, "EVEN_K": True, "PAIRS": cfg.pairs} if op == "fwd"
+                     else {})}
+    signature = {p: TYPES.get(p, f"*{dtype}") for p in POINTERS[op]}
     signature |= dict.fromkeys(SCALARS[op], "i32") | dict.fromkeys(constexprs, "constexpr")
-    divisible = [*POINTERS[op], *(s for s in SCALARS[op] if s not in ("M", *UNIT_STRIDES))]
+    divisible = [*POINTERS[op], *(s for s in SCALARS[op] if s != "M")]
     attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible}
     src = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     sass = _sass(compiled.asm["cubin"])
     loads = re.findall(r"LDG\.E(\.[A-Z0-9]+)*", sass)
-    return {"op": op, **cfg.__dict__, "shared": compiled.metadata.shared,
+    return {"op": op, "dtype": dtype, **cfg.__dict__, "shared": compiled.metadata.shared,
             "spills": len(re.findall(r"\b(?:STL|LDL)\b", sass)),
-            "byte_loads": sum(1 for width in loads if width == ".U8")}
+            # fp8 scales are single bytes: 2 loads per 16-byte chunk of codes.
+            "byte_loads": sum(1 for width in loads if width == ".U8"),
+            "wide_async_loads": len(re.findall(r"LDGSTS\.E\.BYPASS\.128", sass)),
+            "mma": len(re.findall(r"\bHMMA\b", sass))}
 
 
 def all_configs() -> set[tuple[str, km.LaunchConfig]]:
     configs = set()
-    for op, ms in (("gemv", (1, 2, 3, 4)), ("fwd", (5, 16)), ("bwd", (1, 16))):
-        for m in ms:
+    for op in ("fwd", "bwd"):
+        for m in (1, 17, 32):
             # One split-K and one unsplit config per tile shape.
-            for cols, red in ((37888, 3584), (3584, 18944)):
-                configs.add((op, km.launch_config(op, m, cols, red, num_sms=132)))
+            for n, k in ((37888, 3584), (3584, 18944)):
+                configs.add((op, km.launch_config(op, m, n, k, num_sms=132)))
     return configs
 
 
 if __name__ == "__main__":
-    print(json.dumps([compile_config(op, cfg) for op, cfg in sorted(all_configs(), key=str)]))
+    print(json.dumps([compile_config(op, cfg, dtype)
+                      for op, cfg in sorted(all_configs(), key=str) for dtype in ("bf16", "fp16")]))
