@@ -19,7 +19,7 @@ Paths by M (rows of activations), from an H200 sweep (kernels/NOTES.md): the fus
 up to FUSED_MAX_M; beyond, ``nvfp4_dequant_kernel`` decodes W once and cuBLAS multiplies,
 which measured faster from M = 64 on (the fused kernels decode each W tile once per M tile).
 Fused launches split the reduction (``SPLIT_K``, fp32 partials [SPLIT_K, M, cols] summed by
-the wrapper) until the grid has about four programs per SM.
+the wrapper) until the grid fills the GPU (``launch_config``).
 """
 
 from __future__ import annotations
@@ -231,8 +231,6 @@ def nvfp4_dequant_kernel(pairs_ptr, scale_ptr, global_scale_ptr, out_ptr, N, K,
 
 # Largest M run by the fused kernels; module-level so that a benchmark sweep can move it.
 FUSED_MAX_M = 32
-# Programs per SM that split-K aims for (4 beat 2 and 8 on an H200).
-PROGRAMS_PER_SM = 4
 
 
 def interpreting() -> bool:
@@ -267,7 +265,8 @@ def _num_sms(device: torch.device) -> int:
 @dataclass(frozen=True)
 class LaunchConfig:
     """One fused launch. ``block_c``: output columns per program (N forward; backward a
-    program owns 32 columns and ``block_c`` is its reduction chunk of N)."""
+    program owns 32 columns and ``block_c`` is its reduction chunk of N). ``pairs``:
+    16-byte chunks per forward iteration."""
 
     block_m: int
     block_c: int
@@ -279,15 +278,21 @@ class LaunchConfig:
 
 def launch_config(op: str, m: int, n: int, k: int, num_sms: int) -> LaunchConfig:
     """Tiles of a fused launch (op: fwd | bwd) for an M x K by (N, K) weight problem, from
-    an H200 sweep over BLOCK_N 32-128, PAIRS 1-4 and 2-8 programs per SM."""
+    H200 sweeps (kernels/NOTES.md). Forward: 128 rows of W by 2 chunks per iteration, 4
+    warps, 4 programs per SM. Backward: a program's output is only BLOCK_M x 32, which
+    Triton would replicate over 4 warps, so it gets one warp per 16 rows of M and 16 warps
+    per SM in all."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_c, pairs = 128, 2
     if op == "fwd":
+        block_c, pairs, warps, per_sm = 128, 2, 4, 4
         tiles, chunks = triton.cdiv(n, block_c), triton.cdiv(k, 32 * pairs)
     else:
+        block_c, pairs, warps = 64, 1, block_m // 16
+        per_sm = 16 // warps
         tiles, chunks = triton.cdiv(k, 32), triton.cdiv(n, block_c)
-    split = max(1, min(chunks, triton.cdiv(PROGRAMS_PER_SM * num_sms, tiles)))
-    return LaunchConfig(block_m, block_c, pairs, split)
+    split = max(1, min(chunks, triton.cdiv(per_sm * num_sms, tiles)))
+    return LaunchConfig(block_m, block_c, pairs, split, num_warps=warps,
+                        num_stages=4 if op == "fwd" else 3)
 
 
 def _kernel_flags(dtype: torch.dtype) -> dict:

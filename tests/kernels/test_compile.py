@@ -29,8 +29,9 @@ def test_all_launch_configs_compile_for_hopper():
         assert r["shared"] <= HOPPER_MAX_SHARED, r
         assert r["mma"] > 0, r
         # Single-byte loads of the packed weight cost 2-3x in bandwidth (seen on an H200):
-        # codes come in 16-byte copies; only the fp8 scales (2 per chunk) are single bytes.
+        # codes come in 16-byte copies, and only the fp8 scales (two per chunk, in the loop
+        # and its pipelined prologue) are single bytes; byte-wise codes would be 16 a chunk.
         assert r["wide_async_loads"] > 0, r
-        assert r["byte_loads"] <= 2 * r["pairs"], r
+        assert r["byte_loads"] < 16, r
         # A few spill instructions outside the loop are harmless; many mean a tile too big.
         assert r["spills"] <= 4, r
