@@ -9,8 +9,6 @@ renamed at the end, so a failure never leaves a half-written checkpoint behind.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +18,7 @@ from torch import nn
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
+from qerl.atomic import atomic_directory
 from qerl.checkpoint import PACKED_SUFFIXES, ShardWriter, add_quantization_config
 from qerl.errors import ArchitectureError, CheckpointError, GroupSizeError, QerlError
 from qerl.formats import nvfp4
@@ -54,6 +53,25 @@ def fusion_groups(layers: list[str]) -> list[list[str]]:
         key = (parent, kind) if kind is not None else (name, -1)
         groups.setdefault(key, []).append(name)
     return list(groups.values())
+
+
+def quantize_group(weights: dict[str, torch.Tensor], strict: bool = False
+                   ) -> tuple[dict[str, nvfp4.NVFP4Tensor], dict[str, str]]:
+    """Quantize one fusion group (layer name -> weight) with a shared global scale. A
+    weight whose input dim is not a multiple of 16 is left out with its reason (or raises
+    if ``strict``); NaN/Inf raises, naming the layer. Returns (quantized, skipped)."""
+    keep, skipped = {}, {}
+    for layer, w in weights.items():
+        try:
+            nvfp4.check_weight(w, layer)
+        except GroupSizeError as e:
+            if strict:
+                raise
+            skipped[layer] = str(e)
+            continue
+        keep[layer] = w
+    shared = nvfp4.shared_global_scale(*keep.values()) if keep else None
+    return {layer: nvfp4.quantize(w, shared, layer) for layer, w in keep.items()}, skipped
 
 
 @dataclass
@@ -117,30 +135,11 @@ def quantize_model(
     A Linear whose input dim is not a multiple of 16 stays BF16 (listed in the config's
     ``ignore`` and the report), or raises if ``strict``. NaN/Inf in any weight raises.
     """
-    out = Path(out)
-    if out.exists():
-        if not overwrite:
-            raise QerlError(f"{out} already exists; pass --overwrite to replace it")
-        # Only an empty directory or an earlier output of ours is replaced: never a source
-        # model or anything else a user made.
-        if not out.is_dir() or (any(out.iterdir()) and not (out / REPORT_NAME).exists()):
-            raise QerlError(
-                f"{out} is not a qerl checkpoint (no {REPORT_NAME}); refusing to replace it"
-            )
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise QerlError("--device cuda was asked for, but no CUDA GPU is available")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_directory(out, overwrite, REPORT_NAME) as tmp:
         report = _write(source, tmp, strict, device, max_shard_bytes, progress)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return report
 
 
@@ -155,28 +154,19 @@ def _write(source, tmp: Path, strict, device, max_shard_bytes, progress) -> dict
     writer = ShardWriter(tmp, max_shard_bytes)
 
     for group in tqdm(fusion_groups(layers), desc="quantize", unit="group", disable=not progress):
-        weights = source.load([f"{layer}.weight" for layer in group], device)
-        keep = {}
-        for layer in group:
-            w = weights[f"{layer}.weight"]
-            try:
-                nvfp4.check_weight(w, layer)
-            except GroupSizeError as e:
-                if strict:
-                    raise
-                report.skipped[layer] = str(e)
-                writer.add(f"{layer}.weight", w.to(torch.bfloat16))
-                continue
-            keep[layer] = w
-        shared = nvfp4.shared_global_scale(*keep.values()) if keep else None
-        for layer, w in keep.items():
-            q = nvfp4.quantize(w, shared, layer)
-            report.add_layer(layer, w, q, list(keep))
+        loaded = source.load([f"{layer}.weight" for layer in group], device)
+        weights = {layer: loaded[f"{layer}.weight"] for layer in group}
+        quantized, skipped = quantize_group(weights, strict)
+        for layer, reason in skipped.items():
+            report.skipped[layer] = reason
+            writer.add(f"{layer}.weight", weights[layer].to(torch.bfloat16))
+        for layer, q in quantized.items():
+            report.add_layer(layer, weights[layer], q, list(quantized))
             parts = (q.packed, q.scale, q.global_scale)
             for suffix, t in zip(PACKED_SUFFIXES, parts, strict=True):
                 writer.add(f"{layer}.{suffix}", t)
         report.source_params += sum(w.numel() for w in weights.values())
-        del weights, keep
+        del loaded, weights, quantized
 
     consumed = {f"{layer}.weight" for layer in layers}
     if getattr(source.config, "tie_word_embeddings", False):

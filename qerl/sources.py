@@ -83,9 +83,14 @@ class HFDirectory:
         return out
 
     def save_extras(self, directory):
-        for pattern in EXTRA_FILE_PATTERNS:
-            for file in self.path.glob(pattern):
-                shutil.copy2(file, directory / file.name)
+        copy_extras(self.path, directory)
+
+
+def copy_extras(source: Path, directory: Path) -> None:
+    """Copy the tokenizer and other non-weight files of model directory ``source``."""
+    for pattern in EXTRA_FILE_PATTERNS:
+        for file in source.glob(pattern):
+            shutil.copy2(file, directory / file.name)
 
 
 class GGUFFile:

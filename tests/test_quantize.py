@@ -77,7 +77,7 @@ def test_overwrite_never_deletes_what_qerl_did_not_write(tiny_model_dir, tmp_pat
     (tmp_path / "notes.txt").write_text("keep me")
     for out in (tmp_path, tiny_model_dir):  # a user's folder; the source model itself
         assert quantize("--model", str(tiny_model_dir), "--out", str(out), "--overwrite") == 2
-        assert "is not a qerl checkpoint" in capsys.readouterr().err
+        assert "is not an output of qerl" in capsys.readouterr().err
     assert (tmp_path / "notes.txt").read_text() == "keep me"
     assert (tiny_model_dir / "model.safetensors").exists()
 

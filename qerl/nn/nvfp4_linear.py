@@ -66,6 +66,12 @@ class NVFP4Linear(nn.Module):
         return cls(checkpoint.quantized[module], checkpoint.dense.get(f"{module}.bias"))
 
     @property
+    def qweight(self) -> torch.Tensor:
+        """The packed codes under the name PEFT (and GPTQ-style code) looks for to find a
+        quantized layer's device; integer, so adapters keep their own dtype."""
+        return self.weight_pairs
+
+    @property
     def packed_weight(self) -> nvfp4.NVFP4Tensor:
         """The weight in compressed-tensors' packing."""
         packed = layout.from_pairs(self.weight_pairs, self.in_features)

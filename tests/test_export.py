@@ -1,0 +1,92 @@
+"""Exports: a merged BF16 model transformers loads with the policy's outputs, and the
+adapter + base pair vLLM serves, which rebuilds the same policy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from qerl.checkpoint import load_checkpoint
+from qerl.errors import QerlError
+from qerl.export import export_for_vllm, export_merged
+from qerl.noise import AQNSettings
+from qerl.policy import LoraSettings, PolicyError, build_policy, load_adapter
+from tests.conftest import fresh_seed
+from tests.test_policy import IDS, logits, randomize_adapter, rel
+
+
+def trained_policy(source, seed: int, train_norms: bool = True):
+    policy = build_policy("qerl", source, lora=LoraSettings(train_norms=train_norms),
+                          aqn=AQNSettings(), total_steps=10)
+    randomize_adapter(policy, seed)
+    with torch.no_grad():  # "trained" norms, which AQN keeps in fp32
+        for w in policy.norm_weights().values():
+            w.mul_(1.05)
+    return policy
+
+
+def round_norms_to_bf16(policy) -> None:
+    with torch.no_grad():
+        for w in policy.norm_weights().values():
+            w.copy_(w.to(torch.bfloat16))
+
+
+def test_merged_export_loads_in_transformers_with_the_policys_outputs(tiny_model_dir,
+                                                                     tmp_path):
+    seed = fresh_seed()
+    policy = trained_policy(tiny_model_dir, seed)
+    out = export_merged(policy, tmp_path / "merged")
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "bfloat16"
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 for t in load_file(out / "model.safetensors").values())
+    with torch.no_grad():
+        got = merged(IDS).logits.float()
+    # The merged weight is rounded to bf16 once; the policy adds LoRA at run time.
+    assert rel(got, logits(policy)) < 2e-2, f"seed {seed}"
+    AutoTokenizer.from_pretrained(out)  # the source's tokenizer came along
+
+
+def test_vllm_export_rebuilds_the_same_policy(tiny_model_dir, tmp_path):
+    seed = fresh_seed()
+    policy = trained_policy(tiny_model_dir, seed)
+    out = export_for_vllm(policy, tmp_path / "vllm")
+    ckpt = load_checkpoint(out / "base")
+    assert len(ckpt.quantized) == 14 and ckpt.ignore == ["lm_head"]
+    for name, w in policy.norm_weights().items():  # trained norms live in the base
+        assert torch.equal(ckpt.dense[name], w.to(torch.bfloat16)), name
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert adapter and all("lora_" in k for k in adapter)
+    rebuilt = load_adapter(build_policy("qerl", out / "base"), out / "adapter")
+    # The base stores norms in bf16 (as vLLM holds them), the policy kept them in fp32 for
+    # AQN: with bf16-valued norms the two compute the same numbers.
+    round_norms_to_bf16(policy)
+    assert torch.equal(logits(rebuilt), logits(policy)), f"seed {seed}"
+
+
+def test_lora_exports_a_bf16_base_and_other_methods_are_refused(tiny_model_dir, tmp_path):
+    policy = build_policy("lora", tiny_model_dir)
+    randomize_adapter(policy, fresh_seed())
+    out = export_for_vllm(policy, tmp_path / "lora")
+    assert not (out / "base" / "config.json").read_text().count("quantization_config")
+    assert load_file(out / "base" / "model.safetensors")[
+        "model.layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
+    with pytest.raises(PolicyError, match="for 'full' export a merged model"):
+        export_for_vllm(build_policy("full", tiny_model_dir), tmp_path / "full")
+
+
+def test_exports_never_replace_what_qerl_did_not_write(tiny_model_dir, tmp_path):
+    policy = build_policy("lora", tiny_model_dir)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(QerlError, match="already exists"):
+        export_merged(policy, tmp_path / "mine")
+    with pytest.raises(QerlError, match="not an output of qerl"):
+        export_merged(policy, tmp_path / "mine", overwrite=True)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    export_merged(policy, tmp_path / "out")
+    export_merged(policy, tmp_path / "out", overwrite=True)  # our own: replaced

@@ -1,0 +1,202 @@
+"""build_policy: the four methods from every kind of source, LoRA through PEFT on the
+NVFP4 base, gradients only where they belong, adapters that round-trip and load on the
+BF16 base, and clear errors for bad requests."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from qerl.errors import ArchitectureError
+from qerl.nn import NVFP4Linear
+from qerl.noise import AQNError, AQNSettings
+from qerl.policy import LoraSettings, PolicyError, build_policy, load_adapter
+from tests.conftest import fresh_seed, require, require_smollm2, save_tiny_model
+
+IDS = torch.tensor([[5, 17, 99, 3, 64, 8, 120], [1, 2, 3, 4, 5, 6, 7]])
+
+
+def randomize_adapter(policy, seed: int) -> None:
+    """LoRA B starts at zero (the adapter a no-op): give every adapter weight values."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+
+
+def logits(policy) -> torch.Tensor:
+    with torch.no_grad():
+        return policy.model(IDS).logits.float()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_each_method_builds_with_its_own_base_layers(tmp_path, arch):
+    require("bitsandbytes")
+    save_tiny_model(tmp_path, arch=arch, intermediate=192)  # bitsandbytes' CPU: K % 64
+    kinds = {}
+    for method in ("qerl", "lora", "qlora", "full"):
+        policy = build_policy(method, tmp_path)
+        q_proj = policy.base_model.model.layers[0].self_attn.q_proj
+        base = q_proj.get_base_layer() if hasattr(q_proj, "get_base_layer") else q_proj
+        kinds[method] = type(base).__name__
+        assert logits(policy).isfinite().all()
+        trainable = policy.trainable_parameters()
+        if method == "full":
+            assert len(trainable) == len(list(policy.model.parameters()))
+        else:  # only LoRA: 2 matrices x 7 projections x 2 layers
+            assert len(trainable) == 28 and all("lora_" in n for n in trainable)
+    assert kinds == {"qerl": "NVFP4Linear", "lora": "Linear", "qlora": "Linear4bit",
+                     "full": "Linear"}
+
+
+def test_nvfp4_lora_equals_dequantized_bf16_lora(tiny_checkpoint, monkeypatch):
+    """Same adapter, same (dequantized) base weights: on the torch reference path the NVFP4
+    policy computes exactly what PEFT's BF16 LoRA does (the lora method on an NVFP4
+    checkpoint dequantizes it)."""
+    from qerl.nn import nvfp4_linear
+
+    seed = fresh_seed()
+    qerl = build_policy("qerl", tiny_checkpoint)
+    bf16 = build_policy("lora", tiny_checkpoint)
+    randomize_adapter(qerl, seed)
+    randomize_adapter(bf16, seed)
+    monkeypatch.setattr(nvfp4_linear, "_use_kernels", lambda x: False)
+    assert torch.equal(logits(qerl), logits(bf16)), f"seed {seed}"
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (3, 11, 64)])
+def test_kernel_lora_layer_matches_the_bf16_lora_layer(tiny_checkpoint, shape):
+    """The fused-kernel path (GPU, or Triton's interpreter) of one NVFP4 LoRA layer against
+    PEFT's BF16 layer over the dequantized weight: equal to bf16 rounding (the kernels do
+    not round the weight to bf16 before multiplying, so they are not bit-identical)."""
+    seed = fresh_seed()
+    qerl = build_policy("qerl", tiny_checkpoint)
+    bf16 = build_policy("lora", tiny_checkpoint)
+    randomize_adapter(qerl, seed)
+    randomize_adapter(bf16, seed)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    for layer in ("self_attn.q_proj", "mlp.up_proj"):
+        got = qerl.base_model.model.layers[1].get_submodule(layer)(x)
+        ref = bf16.base_model.model.layers[1].get_submodule(layer)(x)
+        assert rel(got.float(), ref.float()) < 8e-3, f"seed {seed}, {layer}"
+
+
+def test_qerl_from_bf16_source_quantizes_as_the_checkpoint_does(tiny_model_dir,
+                                                                  tiny_checkpoint):
+    a = build_policy("qerl", tiny_model_dir).base_model
+    b = build_policy("qerl", tiny_checkpoint).base_model
+    layers_a = {n: m for n, m in a.named_modules() if isinstance(m, NVFP4Linear)}
+    layers_b = {n: m for n, m in b.named_modules() if isinstance(m, NVFP4Linear)}
+    assert layers_a.keys() == layers_b.keys() and len(layers_a) == 14
+    for name, layer in layers_a.items():
+        for buf in ("weight_pairs", "weight_scale", "weight_global_scale"):
+            assert torch.equal(getattr(layer, buf), getattr(layers_b[name], buf)), name
+
+
+@pytest.mark.parametrize("train_norms", [False, True])
+def test_gradients_reach_only_lora_and_norms_when_asked(tiny_checkpoint, train_norms):
+    policy = build_policy("qerl", tiny_checkpoint, lora=LoraSettings(train_norms=train_norms))
+    randomize_adapter(policy, fresh_seed())
+    policy.model(IDS).logits.float().square().mean().backward()
+    with_grad = {n for n, p in policy.model.named_parameters() if p.grad is not None}
+    lora = {n for n in with_grad if "lora_" in n}
+    norms = with_grad - lora
+    assert len(lora) == 28
+    assert all(n.endswith("norm.weight") for n in norms)
+    assert len(norms) == (5 if train_norms else 0)  # 2 x 2 layer norms + the final norm
+    assert not any(b.requires_grad for b in policy.model.buffers())
+
+
+@pytest.mark.parametrize("train_norms", [False, True])
+def test_adapter_round_trip_reproduces_logits(tiny_checkpoint, tmp_path, train_norms):
+    seed = fresh_seed()
+    lora = LoraSettings(rank=8, alpha=16, train_norms=train_norms)
+    policy = build_policy("qerl", tiny_checkpoint, lora=lora)
+    randomize_adapter(policy, seed)
+    if train_norms:
+        with torch.no_grad():
+            for w in policy.norm_weights().values():
+                w.mul_(1.1)
+    expected = logits(policy)
+    policy.save_adapter(tmp_path / "adapter")
+    files = {p.name for p in (tmp_path / "adapter").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= files
+    assert ("norms.safetensors" in files) == train_norms
+    fresh = load_adapter(build_policy("qerl", tiny_checkpoint, lora=lora), tmp_path / "adapter")
+    assert torch.equal(logits(fresh), expected), f"seed {seed}"
+
+
+def test_adapter_is_standard_peft_and_loads_on_the_bf16_base(tiny_model_dir, tmp_path):
+    seed = fresh_seed()
+    policy = build_policy("qerl", tiny_model_dir)
+    randomize_adapter(policy, seed)
+    policy.save_adapter(tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == sorted(LoraSettings().target_modules)
+    keys = load_file(tmp_path / "adapter_model.safetensors")
+    assert keys and all(".lora_A." in k or ".lora_B." in k for k in keys)
+    assert not any("base_layer" in k for k in keys)
+    bf16 = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    peft = PeftModel.from_pretrained(bf16, tmp_path)
+    with torch.no_grad():
+        on_bf16 = peft(IDS).logits.float()
+    # Same adapter, base weights differing by NVFP4's quantization error only.
+    assert rel(logits(policy), on_bf16) < 0.25, f"seed {seed}"
+
+
+def test_random_architecture_and_gguf_sources(monkeypatch):
+    smollm2 = require_smollm2()
+    from qerl.nn import nvfp4_linear
+
+    monkeypatch.setattr(nvfp4_linear, "_use_kernels", lambda x: False)  # 30 layers: reference
+    policy = build_policy("qerl", smollm2, lora=LoraSettings(rank=4))
+    assert policy.config.model_type == "llama"
+    assert sum(isinstance(m, NVFP4Linear) for m in policy.base_model.modules()) == 30 * 7
+    assert policy.model(IDS).logits.isfinite().all()
+
+
+def test_aqn_is_attached_to_the_policy(tiny_checkpoint):
+    policy = build_policy("qerl", tiny_checkpoint, aqn=AQNSettings(num_stages=3),
+                          total_steps=9)
+    assert len(policy.aqn.weights) == 4
+    clean = logits(policy)
+    assert policy.aqn.perturb(step=5) > 0
+    assert not torch.equal(logits(policy), clean)  # the policy's own forward sees it
+    policy.aqn.restore()
+    assert torch.equal(logits(policy), clean)
+
+
+def test_bad_requests_are_named(tiny_checkpoint, tmp_path):
+    with pytest.raises(PolicyError, match="unknown method 'dora'"):
+        build_policy("dora", tiny_checkpoint)
+    with pytest.raises(PolicyError, match=r"target module\(s\) \['c_attn'\] match nothing"):
+        build_policy("qerl", tiny_checkpoint, lora=LoraSettings(target_modules=("c_attn",)))
+    with pytest.raises(PolicyError, match="rank must be > 0"):
+        LoraSettings(rank=0)
+    with pytest.raises(AQNError, match="sigma_end <= sigma_start"):
+        build_policy("qerl", tiny_checkpoint, aqn=AQNSettings(1e-4, 1e-2), total_steps=5)
+    with pytest.raises(AQNError, match="num_stages >= 2"):
+        AQNSettings(num_stages=1)
+    with pytest.raises(PolicyError, match="needs total_steps"):
+        build_policy("qerl", tiny_checkpoint, aqn=AQNSettings())
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(
+        tmp_path / "gpt2")
+    with pytest.raises(ArchitectureError, match="'gpt2' is not supported"):
+        build_policy("lora", tmp_path / "gpt2")
+    require("bitsandbytes")
+    with pytest.raises(PolicyError, match="needs in_features % 64 == 0; .*down_proj has 160"):
+        build_policy("qlora", tiny_checkpoint)
+    with pytest.raises(PolicyError, match="method 'full' has no adapter"):
+        build_policy("full", tiny_checkpoint).save_adapter(tmp_path / "x")
