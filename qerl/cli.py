@@ -40,6 +40,7 @@ BENCHMARKS = {
     "kernel-paths": "qerl.kernels.sweep_nvfp4_matmul",
     "quantize": "qerl.bench.quantize",
     "fidelity": "qerl.bench.fidelity",
+    "memory": "qerl.bench.memory",
 }
 
 
