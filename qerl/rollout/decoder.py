@@ -1,0 +1,102 @@
+"""A decoder forward over a live Hugging Face Qwen2/Llama model with a static KV cache.
+
+It calls the model's own modules — embeddings, norms (AQN's noise included), the
+projections (NVFP4 kernels or BF16, LoRA unmerged through PEFT) and lm_head — so rollouts
+always sample from the weights being trained: nothing is copied, nothing goes stale. Only
+the attention plumbing is ours: one preallocated cache, written at fixed slots, so that a
+decode step has static shapes and can be replayed from a CUDA graph.
+
+Batches are left-padded to a common prompt length P: slot s of sequence b holds its token
+at position s - pad[b]; decode step t writes slot P + t for every sequence. Attention sees
+slots pad[b] <= s <= the current one (as Hugging Face's generate does with an attention
+mask, whose position ids are the same).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass
+class KVCache:
+    """Keys and values [layers, batch, kv_heads, slots, head_dim] and the left padding of
+    each sequence."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    pad: torch.Tensor  # [batch] int64
+
+    @staticmethod
+    def bytes_per_slot(config, dtype: torch.dtype) -> int:
+        """Bytes one token of one sequence takes in the cache."""
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads)
+        item = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * item
+
+    @classmethod
+    def allocate(cls, config, batch: int, slots: int, dtype, device) -> KVCache:
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads)
+        shape = (config.num_hidden_layers, batch, config.num_key_value_heads, slots, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device),
+                   torch.zeros(shape, dtype=dtype, device=device),
+                   torch.zeros(batch, dtype=torch.long, device=device))
+
+
+class Decoder(nn.Module):
+    """``forward(ids [B, T], first_slot)`` -> logits of the last position [B, V], writing
+    slots first_slot .. first_slot + T - 1 of the cache."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model  # the transformers CausalLM (LoRA layers injected, if any)
+        inner = model.model
+        self.embed, self.layers, self.norm = inner.embed_tokens, inner.layers, inner.norm
+        self.rotary = inner.rotary_emb
+        self.lm_head = model.lm_head
+        # The model family's own rotary application, for bit-identical numbers.
+        self._apply_rotary = importlib.import_module(type(model).__module__).apply_rotary_pos_emb
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.heads = model.config.num_attention_heads
+        self.kv_heads = model.config.num_key_value_heads
+
+    def forward(self, ids: torch.Tensor, first_slot: torch.Tensor, cache: KVCache
+                ) -> torch.Tensor:
+        steps = ids.shape[1]
+        slots = first_slot + torch.arange(steps, device=ids.device)  # [T]
+        positions = (slots[None, :] - cache.pad[:, None]).clamp_min(0)  # [B, T]
+        all_slots = torch.arange(cache.k.shape[3], device=ids.device)
+        # [B, 1, T, S]: a query at slot q sees slots pad <= s <= q. A padding query sees
+        # itself, so that no row is empty (an empty row is NaN in attention, and NaN values
+        # in the cache would poison later queries even behind the mask).
+        s, q = all_slots[None, None, :], slots[None, :, None]
+        visible = ((s <= q) & ((s >= cache.pad[:, None, None]) | (s == q)))[:, None]
+        h = self.embed(ids)
+        cos, sin = self.rotary(h, positions)
+        for i, layer in enumerate(self.layers):
+            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), i, slots,
+                                    visible, cos, sin, cache)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.lm_head(self.norm(h[:, -1:]))[:, 0]
+
+    def _attention(self, attn, x, i, slots, visible, cos, sin, cache):
+        batch, steps, _ = x.shape
+        shape = (batch, steps, -1, self.head_dim)
+        q = attn.q_proj(x).view(shape).transpose(1, 2)
+        k = attn.k_proj(x).view(shape).transpose(1, 2)
+        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        q, k = self._apply_rotary(q, k, cos, sin)
+        cache.k[i].index_copy_(2, slots, k.to(cache.k.dtype))
+        cache.v[i].index_copy_(2, slots, v.to(cache.v.dtype))
+        out = F.scaled_dot_product_attention(q, cache.k[i], cache.v[i], attn_mask=visible,
+                                             scale=self.scaling,
+                                             enable_gqa=self.heads != self.kv_heads)
+        return attn.o_proj(out.transpose(1, 2).reshape(batch, steps, -1))

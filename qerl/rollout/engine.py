@@ -1,0 +1,187 @@
+"""The embedded rollout engine: batched prefill + decode on the live policy, with a static
+KV cache sized from a memory budget and the decode step replayed from a CUDA graph.
+
+    engine = Engine(policy, max_batch=32, max_seq_len=1280)
+    out = engine.generate(prompt_ids, SamplingParams(max_new_tokens=1024, temperature=1.0))
+    out.tokens, out.logprobs, out.finish_reasons
+
+Every call reads the policy's current parameters (LoRA, AQN-noised norms, NVFP4 codes) in
+place: there is no weight sync. A CUDA graph, captured once per batch size, holds pointers
+to those same tensors, so in-place optimizer updates are seen by the next replay.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from qerl.errors import QerlError
+from qerl.rollout.decoder import Decoder, KVCache
+from qerl.rollout.sampling import SamplingParams, sample
+
+MODEL_TYPES = ("qwen2", "llama")
+
+
+class RolloutError(QerlError):
+    """A rollout request the engine cannot serve."""
+
+
+@dataclass
+class Rollout:
+    """Per sequence: the generated tokens (a stop token included), each one's sampling
+    log-probability, and why it ended ("stop" or "length")."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[str]
+
+
+def _base_model(model) -> nn.Module:
+    """The transformers CausalLM of a qerl Policy, a PeftModel or the model itself."""
+    from peft import PeftModel
+
+    from qerl.policy import Policy
+
+    if isinstance(model, Policy):
+        return model.base_model
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+class Engine:
+    """Serves up to ``max_batch`` sequences of up to ``max_seq_len`` tokens (prompt plus
+    generation). ``kv_budget_bytes``, if given, caps the cache; ``Engine.max_batch_for``
+    says how many sequences a budget holds."""
+
+    def __init__(self, model, max_batch: int, max_seq_len: int,
+                 kv_budget_bytes: int | None = None, cuda_graphs: bool = True):
+        self.model = _base_model(model)
+        config = self.model.config
+        if config.model_type not in MODEL_TYPES:
+            raise RolloutError(f"the engine runs {', '.join(MODEL_TYPES)} models, not "
+                               f"{config.model_type!r}")
+        if max_batch < 1 or max_seq_len < 2:
+            raise RolloutError(f"need max_batch >= 1 and max_seq_len >= 2, got {max_batch}, "
+                               f"{max_seq_len}")
+        self.dtype = self.model.get_input_embeddings().weight.dtype
+        self.device = self.model.get_input_embeddings().weight.device
+        need = max_batch * max_seq_len * KVCache.bytes_per_slot(config, self.dtype)
+        if kv_budget_bytes is not None and need > kv_budget_bytes:
+            fits = self.max_batch_for(config, kv_budget_bytes, max_seq_len, self.dtype)
+            raise RolloutError(f"a KV cache for {max_batch} x {max_seq_len} tokens needs "
+                               f"{need / 1e9:.2f} GB, over the budget of "
+                               f"{kv_budget_bytes / 1e9:.2f} GB (it holds {fits} sequences)")
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.decoder = Decoder(self.model)
+        self.cache = KVCache.allocate(config, max_batch, max_seq_len, self.dtype, self.device)
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self._graphs: dict[int, tuple] = {}
+
+    @staticmethod
+    def max_batch_for(config, kv_budget_bytes: int, max_seq_len: int,
+                      dtype: torch.dtype = torch.bfloat16) -> int:
+        return kv_budget_bytes // (max_seq_len * KVCache.bytes_per_slot(config, dtype))
+
+    def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        if not prompts:
+            raise RolloutError("no prompts to roll out")
+        if len(prompts) > self.max_batch:
+            raise RolloutError(f"a batch of {len(prompts)} prompts exceeds the engine's "
+                               f"max_batch of {self.max_batch}")
+        vocab = self.model.config.vocab_size
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise RolloutError(f"prompt {i} is empty")
+            if len(prompt) + params.max_new_tokens > self.max_seq_len:
+                raise RolloutError(
+                    f"prompt {i} has {len(prompt)} tokens; with max_new_tokens "
+                    f"{params.max_new_tokens} it exceeds the cache's max_seq_len "
+                    f"{self.max_seq_len}")
+            if min(prompt) < 0 or max(prompt) >= vocab:
+                raise RolloutError(f"prompt {i} has token ids outside [0, {vocab})")
+
+    def _view(self, batch: int) -> KVCache:
+        return KVCache(self.cache.k[:, :batch], self.cache.v[:, :batch], self.cache.pad[:batch])
+
+    @contextmanager
+    def _eval(self):
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            self.model.train(was_training)
+
+    def _decode_step(self, batch: int):
+        """A function (ids [B, 1], slot) -> logits [B, V]: eager, or a CUDA graph replay
+        (captured on first use for this batch size)."""
+        cache = self._view(batch)
+        if not self.cuda_graphs:
+            return lambda ids, slot: self.decoder(ids, slot, cache)
+        if batch not in self._graphs:
+            ids = torch.zeros((batch, 1), dtype=torch.long, device=self.device)
+            slot = torch.zeros((), dtype=torch.long, device=self.device)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm up: autotuning, workspaces
+                for _ in range(2):
+                    self.decoder(ids, slot, cache)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = self.decoder(ids, slot, cache)
+            self._graphs[batch] = (graph, ids, slot, logits)
+        graph, ids_buf, slot_buf, logits = self._graphs[batch]
+
+        def replay(ids, slot):
+            ids_buf.copy_(ids)
+            slot_buf.copy_(slot)
+            graph.replay()
+            return logits
+
+        return replay
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
+        self._check(prompts, params)
+        batch, longest = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros((batch, longest), dtype=torch.long)
+        pad = torch.tensor([longest - len(p) for p in prompts])
+        for b, prompt in enumerate(prompts):
+            ids[b, pad[b]:] = torch.tensor(prompt)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        stops = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long,
+                             device=self.device)
+        with self._eval():
+            cache = self._view(batch)
+            cache.pad.copy_(pad)
+            logits = self.decoder(ids.to(self.device), torch.zeros((), dtype=torch.long,
+                                                                   device=self.device), cache)
+            step = self._decode_step(batch)
+            tokens, logprobs = [], []
+            done = torch.zeros(batch, dtype=torch.bool, device=self.device)
+            length = torch.full((batch,), params.max_new_tokens, device=self.device)
+            for t in range(params.max_new_tokens):
+                token, logprob = sample(logits, params, generator)
+                tokens.append(token)
+                logprobs.append(logprob)
+                if not params.ignore_eos and stops.numel():
+                    stopped = torch.isin(token, stops) & ~done
+                    length = torch.where(stopped, t + 1, length)
+                    done |= stopped
+                    if bool(done.all()):
+                        break
+                if t + 1 < params.max_new_tokens:
+                    slot = torch.tensor(longest + t, device=self.device)
+                    logits = step(token[:, None], slot)
+        out_tokens = torch.stack(tokens, 1).tolist()
+        out_logprobs = torch.stack(logprobs, 1).tolist()
+        lengths = length.tolist()
+        done = done.tolist()
+        return Rollout([row[:n] for row, n in zip(out_tokens, lengths, strict=True)],
+                       [row[:n] for row, n in zip(out_logprobs, lengths, strict=True)],
+                       ["stop" if d else "length" for d in done])

@@ -1,0 +1,157 @@
+"""The embedded engine: greedy output token-identical to Hugging Face generate, sampling
+log-probabilities equal to a forward pass, the sampler's distribution, stops, seeds, the
+live policy (LoRA, AQN) seen without any sync, and bad requests refused up front."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from qerl.noise import AQNSettings
+from qerl.policy import build_policy
+from qerl.rollout import Engine, RolloutError, SamplingParams
+from qerl.rollout.sampling import sample
+from tests.conftest import fresh_seed, require_smollm2, tiny_config
+from tests.test_policy import randomize_adapter
+
+PROMPTS = [[5, 9, 33, 2], [7, 1], [100, 101, 102, 103, 104, 105]]
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def tiny(arch: str, dtype, seed: int):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(arch)).to(dtype).to(DEVICE).eval()
+
+
+def hf_greedy(model, prompts, new_tokens: int, pad: int = 127) -> list[list[int]]:
+    """Hugging Face generate on the left-padded batch, as a rollout would call it."""
+    longest = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts], device=DEVICE)
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts],
+                        device=DEVICE)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                         pad_token_id=pad, eos_token_id=None)
+    return out[:, longest:].tolist()
+
+
+def forward_logprobs(model, prompt, tokens, temperature: float = 1.0) -> torch.Tensor:
+    ids = torch.tensor([prompt + tokens], device=DEVICE)
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature
+    index = torch.tensor(tokens, device=DEVICE)[:, None]
+    return torch.log_softmax(logits, -1).gather(-1, index)[:, 0]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_is_token_identical_to_hf_generate(arch, dtype):
+    seed = fresh_seed()
+    model = tiny(arch, dtype, seed)
+    out = Engine(model, max_batch=4, max_seq_len=40).generate(PROMPTS, GREEDY)
+    assert out.tokens == hf_greedy(model, PROMPTS, 12), f"seed {seed}"
+    for prompt, tokens in zip(PROMPTS, out.tokens, strict=True):  # unpadded, one at a time
+        assert [tokens] == hf_greedy(model, [prompt], 12), f"seed {seed}"
+    assert out.finish_reasons == ["length"] * 3
+
+
+def test_greedy_on_smollm2_matches_hf_generate():
+    from qerl.sources import GGUFFile
+
+    model = GGUFFile(require_smollm2()).model.to(DEVICE).eval()
+    prompts = [[1, 4093, 314, 253, 2], [1, 504, 3458, 282]]
+    out = Engine(model, max_batch=2, max_seq_len=32).generate(
+        prompts, SamplingParams(max_new_tokens=10, temperature=0))
+    assert out.tokens == hf_greedy(model, prompts, 10, pad=2)
+
+
+def test_sampled_logprobs_equal_a_forward_pass():
+    seed = fresh_seed()
+    model = tiny("qwen2", torch.float32, seed)
+    params = SamplingParams(max_new_tokens=16, temperature=0.7, top_k=20, top_p=0.9, seed=seed)
+    out = Engine(model, max_batch=4, max_seq_len=40).generate(PROMPTS, params)
+    for prompt, tokens, logprobs in zip(PROMPTS, out.tokens, out.logprobs, strict=True):
+        ref = forward_logprobs(model, prompt, tokens, temperature=0.7)
+        assert torch.allclose(torch.tensor(logprobs, device=DEVICE), ref, atol=1e-4), seed
+
+
+def test_the_sampler_draws_the_truncated_tempered_distribution():
+    seed = fresh_seed()
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -3.0, -9.0]])
+    params = SamplingParams(max_new_tokens=1, temperature=0.8, top_k=5, top_p=0.85)
+    tempered = torch.softmax(logits[0] / 0.8, -1)
+    # top_k 5 keeps tokens 0-4; top_p keeps the smallest prefix reaching 0.85 of their mass.
+    kept = tempered[:5] / tempered[:5].sum()
+    prefix = int((kept.cumsum(0) - kept < 0.85).sum())
+    expected = torch.zeros(8)
+    expected[:prefix] = kept[:prefix] / kept[:prefix].sum()
+    gen = torch.Generator().manual_seed(seed)
+    draws = 40_000
+    tokens, logprobs = sample(logits.expand(draws, -1), params, gen)
+    freq = torch.bincount(tokens, minlength=8).float() / draws
+    assert (freq[prefix:] == 0).all(), f"seed {seed}"
+    sd = (expected * (1 - expected) / draws).sqrt()
+    assert ((freq - expected).abs() <= 5 * sd + 1e-9).all(), f"seed {seed}: {freq} vs {expected}"
+    assert torch.allclose(logprobs, torch.log(tempered)[tokens])
+
+
+def test_stops_seeds_and_ignore_eos():
+    seed = fresh_seed()
+    model = tiny("llama", torch.float32, seed)
+    engine = Engine(model, max_batch=4, max_seq_len=48)
+    free = engine.generate(PROMPTS, SamplingParams(max_new_tokens=20, seed=seed))
+    again = engine.generate(PROMPTS, SamplingParams(max_new_tokens=20, seed=seed))
+    assert free.tokens == again.tokens
+    other = engine.generate(PROMPTS, SamplingParams(max_new_tokens=20, seed=seed + 1))
+    assert other.tokens != free.tokens
+    stop = free.tokens[0][5]  # a token the first sequence emits
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=20, seed=seed,
+                                                  stop_token_ids=(stop,)))
+    for tokens, full, reason in zip(out.tokens, free.tokens, out.finish_reasons, strict=True):
+        cut = full.index(stop) + 1 if stop in full else len(full)
+        assert tokens == full[:cut]
+        assert reason == ("stop" if stop in full else "length")
+    ignored = engine.generate(PROMPTS, SamplingParams(max_new_tokens=20, seed=seed,
+                                                      stop_token_ids=(stop,), ignore_eos=True))
+    assert ignored.tokens == free.tokens
+
+
+def test_the_engine_samples_from_the_live_policy(tiny_checkpoint):
+    """No weight sync: LoRA updated in place and AQN's noise are seen by the next rollout,
+    and the log-probabilities are the policy's own."""
+    seed = fresh_seed()
+    policy = build_policy("qerl", tiny_checkpoint, aqn=AQNSettings(num_stages=2),
+                          total_steps=2, device=DEVICE)
+    engine = Engine(policy, max_batch=4, max_seq_len=40)
+    before = engine.generate(PROMPTS, GREEDY)
+    randomize_adapter(policy, seed)  # in place, as an optimizer step does
+    after = engine.generate(PROMPTS, GREEDY)
+    for prompt, tokens, logprobs in zip(PROMPTS, after.tokens, after.logprobs, strict=True):
+        ref = forward_logprobs(policy.model, prompt, tokens)
+        assert torch.allclose(torch.tensor(logprobs, device=DEVICE), ref, atol=2e-2), seed
+    policy.aqn.perturb(1)
+    noisy = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0))
+    policy.aqn.restore()
+    assert after.tokens != before.tokens or after.logprobs != before.logprobs
+    assert noisy.logprobs != after.logprobs
+
+
+def test_bad_requests_are_refused_before_any_work():
+    model = tiny("qwen2", torch.float32, 0)
+    engine = Engine(model, max_batch=2, max_seq_len=16)
+    with pytest.raises(RolloutError, match="prompt 0 has 10 tokens; with max_new_tokens 8 it "
+                                           "exceeds the cache's max_seq_len 16"):
+        engine.generate([list(range(10))], SamplingParams(max_new_tokens=8))
+    with pytest.raises(RolloutError, match="prompt 1 is empty"):
+        engine.generate([[1], []], SamplingParams(max_new_tokens=2))
+    with pytest.raises(RolloutError, match="batch of 3 prompts exceeds the engine's max_batch"):
+        engine.generate([[1], [2], [3]], SamplingParams(max_new_tokens=2))
+    with pytest.raises(RolloutError, match="outside"):
+        engine.generate([[1, 128]], SamplingParams(max_new_tokens=2))
+    with pytest.raises(RolloutError, match="over the budget .* holds 3 sequences"):
+        Engine(model, max_batch=8, max_seq_len=100, kv_budget_bytes=3 * 100 * 2 * 2 * 2 * 16 * 4)
+    with pytest.raises(RolloutError, match="runs qwen2, llama models, not 'gpt2'"):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        Engine(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)), 1, 8)
