@@ -41,6 +41,7 @@ BENCHMARKS = {
     "quantize": "qerl.bench.quantize",
     "fidelity": "qerl.bench.fidelity",
     "memory": "qerl.bench.memory",
+    "rollout": "qerl.bench.rollout",
 }
 
 

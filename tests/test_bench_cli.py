@@ -9,7 +9,7 @@ from qerl.cli import main
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
-@pytest.mark.parametrize("what", ["kernels", "kernel-paths", "memory"])
+@pytest.mark.parametrize("what", ["kernels", "kernel-paths", "memory", "rollout"])
 def test_gpu_benchmarks_name_the_missing_gpu(what):
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         main(["bench", what])

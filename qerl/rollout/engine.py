@@ -115,15 +115,17 @@ class Engine:
         finally:
             self.model.train(was_training)
 
-    def _decode_step(self, batch: int):
-        """A function (ids [B, 1], slot) -> logits [B, V]: eager, or a CUDA graph replay
-        (captured on first use for this batch size)."""
+    def _decode(self, ids: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """One decode step (ids [B, 1] at cache slot ``slot``) -> logits [B, V]: eager, or
+        a CUDA graph replay, captured on the first step of each batch size. Warm-up and
+        capture run on this step's own inputs, so the slot they write holds the right
+        keys and values whatever happens next."""
+        batch = ids.shape[0]
         cache = self._view(batch)
         if not self.cuda_graphs:
-            return lambda ids, slot: self.decoder(ids, slot, cache)
+            return self.decoder(ids, slot, cache)
         if batch not in self._graphs:
-            ids = torch.zeros((batch, 1), dtype=torch.long, device=self.device)
-            slot = torch.zeros((), dtype=torch.long, device=self.device)
+            ids, slot = ids.clone(), slot.clone()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm up: autotuning, workspaces
@@ -135,14 +137,10 @@ class Engine:
                 logits = self.decoder(ids, slot, cache)
             self._graphs[batch] = (graph, ids, slot, logits)
         graph, ids_buf, slot_buf, logits = self._graphs[batch]
-
-        def replay(ids, slot):
-            ids_buf.copy_(ids)
-            slot_buf.copy_(slot)
-            graph.replay()
-            return logits
-
-        return replay
+        ids_buf.copy_(ids)
+        slot_buf.copy_(slot)
+        graph.replay()
+        return logits
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
         self._check(prompts, params)
@@ -161,7 +159,6 @@ class Engine:
             cache.pad.copy_(pad)
             logits = self.decoder(ids.to(self.device), torch.zeros((), dtype=torch.long,
                                                                    device=self.device), cache)
-            step = self._decode_step(batch)
             tokens, logprobs = [], []
             done = torch.zeros(batch, dtype=torch.bool, device=self.device)
             length = torch.full((batch,), params.max_new_tokens, device=self.device)
@@ -177,7 +174,7 @@ class Engine:
                         break
                 if t + 1 < params.max_new_tokens:
                     slot = torch.tensor(longest + t, device=self.device)
-                    logits = step(token[:, None], slot)
+                    logits = self._decode(token[:, None], slot)
         out_tokens = torch.stack(tokens, 1).tolist()
         out_logprobs = torch.stack(logprobs, 1).tolist()
         lengths = length.tolist()

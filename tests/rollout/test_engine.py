@@ -25,15 +25,30 @@ def tiny(arch: str, dtype, seed: int):
     return AutoModelForCausalLM.from_config(tiny_config(arch)).to(dtype).to(DEVICE).eval()
 
 
-def hf_greedy(model, prompts, new_tokens: int, pad: int = 127) -> list[list[int]]:
-    """Hugging Face generate on the left-padded batch, as a rollout would call it."""
+def hf_greedy(model, prompts, new_tokens: int, pad: int = 127):
+    """Hugging Face generate on the left-padded batch, as a rollout would call it: the
+    tokens, and at each step the margin between its top two logits."""
     longest = max(map(len, prompts))
     ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts], device=DEVICE)
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts],
                         device=DEVICE)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                         pad_token_id=pad, eos_token_id=None)
-    return out[:, longest:].tolist()
+                         pad_token_id=pad, eos_token_id=None, output_logits=True,
+                         return_dict_in_generate=True)
+    top2 = torch.stack(out.logits, 1).float().topk(2, dim=-1).values  # [B, T, 2]
+    return out.sequences[:, longest:].tolist(), (top2[..., 0] - top2[..., 1]).tolist()
+
+
+def assert_same_greedy(got: list[list[int]], hf, tie: float, context) -> None:
+    """Token-identical, except that after a near-tie (HF's top-two logits closer than
+    ``tie``, where rounding in a different attention kernel may pick the other) the
+    sequences may part."""
+    tokens, margins = hf
+    for ours, theirs, margin in zip(got, tokens, margins, strict=True):
+        for t, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            if a != b:
+                assert min(margin[:t + 1]) < tie, f"{context}: step {t}, margin {margin[t]}"
+                break
 
 
 def forward_logprobs(model, prompt, tokens, temperature: float = 1.0) -> torch.Tensor:
@@ -47,12 +62,15 @@ def forward_logprobs(model, prompt, tokens, temperature: float = 1.0) -> torch.T
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_is_token_identical_to_hf_generate(arch, dtype):
+    """fp32: identical. bf16: identical up to near-ties (a random tiny model's logits are
+    close together; HF's attention kernel and ours round differently in the last bit)."""
     seed = fresh_seed()
     model = tiny(arch, dtype, seed)
     out = Engine(model, max_batch=4, max_seq_len=40).generate(PROMPTS, GREEDY)
-    assert out.tokens == hf_greedy(model, PROMPTS, 12), f"seed {seed}"
+    tie = 0.0 if dtype == torch.float32 else 0.05
+    assert_same_greedy(out.tokens, hf_greedy(model, PROMPTS, 12), tie, f"seed {seed}")
     for prompt, tokens in zip(PROMPTS, out.tokens, strict=True):  # unpadded, one at a time
-        assert [tokens] == hf_greedy(model, [prompt], 12), f"seed {seed}"
+        assert_same_greedy([tokens], hf_greedy(model, [prompt], 12), tie, f"seed {seed}")
     assert out.finish_reasons == ["length"] * 3
 
 
@@ -63,7 +81,7 @@ def test_greedy_on_smollm2_matches_hf_generate():
     prompts = [[1, 4093, 314, 253, 2], [1, 504, 3458, 282]]
     out = Engine(model, max_batch=2, max_seq_len=32).generate(
         prompts, SamplingParams(max_new_tokens=10, temperature=0))
-    assert out.tokens == hf_greedy(model, prompts, 10, pad=2)
+    assert out.tokens == hf_greedy(model, prompts, 10, pad=2)[0]
 
 
 def test_sampled_logprobs_equal_a_forward_pass():

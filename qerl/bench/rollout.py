@@ -1,0 +1,126 @@
+"""Rollout throughput: the embedded engine on BF16 and NVFP4 weights (LoRA attached,
+unmerged, as during RL) and Hugging Face generate on the BF16 model, at Qwen2.5 shapes
+with random weights.
+
+    qerl bench rollout                              # -> results/bench/rollout_<card>.csv
+    qerl bench rollout --archs qwen2.5-7b --batches 1,32 --prompt-lens 256 --gen-len 1024
+
+Every sequence runs to gen_len (EOS ignored), sampling at temperature 1; tokens/s counts
+generated tokens over the whole call (prefill included), after one warm-up call that also
+captures the decode step's CUDA graph. Hugging Face generate runs the bare BF16 model with
+its default (dynamic) cache, at --hf-gen-len tokens, batch sizes up to --hf-max-batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from pathlib import Path
+
+import torch
+
+from qerl.bench.record import append_rows, provenance
+from qerl.policy import LoraSettings, build_policy
+from qerl.rollout import Engine, SamplingParams
+
+WEIGHTS = {"bf16": "lora", "nvfp4": "qerl"}  # engine weights -> policy method
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=gen).tolist()
+
+
+def _timed(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def bench_engine(policy, batches, prompt_lens, gen_len) -> list[dict]:
+    vocab = policy.config.vocab_size
+    engine = Engine(policy, max_batch=max(batches), max_seq_len=max(prompt_lens) + gen_len)
+    rows = []
+    for prompt_len in prompt_lens:
+        for batch in batches:
+            prompts = _prompts(batch, prompt_len, vocab, seed=batch)
+            params = SamplingParams(max_new_tokens=gen_len, ignore_eos=True, seed=0)
+            engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
+            seconds = _timed(lambda p=prompts, s=params: engine.generate(p, s))
+            rows.append({"batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,
+                         "seconds": round(seconds, 3),
+                         "tok_per_s": round(batch * gen_len / seconds, 1)})
+            print(f"  batch {batch} prompt {prompt_len}: {rows[-1]['tok_per_s']} tok/s",
+                  flush=True)
+    return rows
+
+
+def bench_hf(model, batches, prompt_lens, gen_len) -> list[dict]:
+    rows = []
+    for prompt_len in prompt_lens:
+        for batch in batches:
+            ids = torch.tensor(_prompts(batch, prompt_len, model.config.vocab_size, batch),
+                               device="cuda")
+
+            def run(ids=ids):
+                model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                               max_new_tokens=gen_len, min_new_tokens=gen_len,
+                               pad_token_id=0)
+
+            with torch.no_grad():
+                model.generate(ids, max_new_tokens=2, pad_token_id=0)
+                seconds = _timed(run)
+            rows.append({"batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,
+                         "seconds": round(seconds, 3),
+                         "tok_per_s": round(batch * gen_len / seconds, 1)})
+            print(f"  hf batch {batch} prompt {prompt_len}: {rows[-1]['tok_per_s']} tok/s",
+                  flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="qerl bench rollout", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", type=Path, default=Path("results/bench"))
+    parser.add_argument("--archs", default="qwen2.5-7b,qwen2.5-14b,qwen2.5-32b")
+    parser.add_argument("--weights", default="bf16,nvfp4,hf-bf16")
+    parser.add_argument("--ranks", default="16,32,64")
+    parser.add_argument("--batches", default="1,8,32,64,128")
+    parser.add_argument("--prompt-lens", default="256,1024")
+    parser.add_argument("--gen-len", type=int, default=1024)
+    parser.add_argument("--hf-gen-len", type=int, default=256)
+    parser.add_argument("--hf-max-batch", type=int, default=32)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("qerl bench rollout: needs a CUDA GPU (none found)")
+    base = provenance("cuda")
+    batches = [int(b) for b in args.batches.split(",")]
+    prompt_lens = [int(p) for p in args.prompt_lens.split(",")]
+    weights = args.weights.split(",")
+    path = args.out_dir / f"rollout_{base['card'].replace(' ', '_')}.csv"
+    for arch in args.archs.split(","):
+        for kind in weights:
+            ranks = [0] if kind == "hf-bf16" else [int(r) for r in args.ranks.split(",")]
+            for rank in ranks:
+                print(f"{arch} {kind} lora r{rank}", flush=True)
+                if kind == "hf-bf16":
+                    policy = build_policy("full", arch=arch, device="cuda")
+                    rows = bench_hf(policy.model, [b for b in batches if b <= args.hf_max_batch],
+                                    prompt_lens, args.hf_gen_len)
+                else:
+                    policy = build_policy(WEIGHTS[kind], arch=arch, device="cuda",
+                                          lora=LoraSettings(rank=rank, alpha=rank))
+                    rows = bench_engine(policy, batches, prompt_lens, args.gen_len)
+                append_rows(path, [{**base, "model": arch, "weights": kind, "lora_rank": rank,
+                                    **row} for row in rows])
+                del policy
+                gc.collect()
+                torch.cuda.empty_cache()
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
