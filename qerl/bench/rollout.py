@@ -40,9 +40,10 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def bench_engine(policy, batches, prompt_lens, gen_len) -> list[dict]:
+def bench_engine(policy, batches, prompt_lens, gen_len, compile: bool) -> list[dict]:
     vocab = policy.config.vocab_size
-    engine = Engine(policy, max_batch=max(batches), max_seq_len=max(prompt_lens) + gen_len)
+    engine = Engine(policy, max_batch=max(batches), max_seq_len=max(prompt_lens) + gen_len,
+                    compile=compile)
     rows = []
     for prompt_len in prompt_lens:
         for batch in batches:
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gen-len", type=int, default=1024)
     parser.add_argument("--hf-gen-len", type=int, default=256)
     parser.add_argument("--hf-max-batch", type=int, default=32)
+    parser.add_argument("--compile", default="0,1",
+                        help="engine runs without (0) and with (1) torch.compile")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("qerl bench rollout: needs a CUDA GPU (none found)")
@@ -110,10 +113,15 @@ def main(argv: list[str] | None = None) -> None:
                     policy = build_policy("full", arch=arch, device="cuda")
                     rows = bench_hf(policy.model, [b for b in batches if b <= args.hf_max_batch],
                                     prompt_lens, args.hf_gen_len)
+                    rows = [{"compiled": 0, **row} for row in rows]
                 else:
                     policy = build_policy(WEIGHTS[kind], arch=arch, device="cuda",
                                           lora=LoraSettings(rank=rank, alpha=rank))
-                    rows = bench_engine(policy, batches, prompt_lens, args.gen_len)
+                    rows = []
+                    for compiled in (int(c) for c in args.compile.split(",")):
+                        print(f" compiled={compiled}", flush=True)
+                        rows += [{"compiled": compiled, **row} for row in bench_engine(
+                            policy, batches, prompt_lens, args.gen_len, bool(compiled))]
                 append_rows(path, [{**base, "model": arch, "weights": kind, "lora_rank": rank,
                                     **row} for row in rows])
                 del policy

@@ -56,7 +56,8 @@ class Engine:
     says how many sequences a budget holds."""
 
     def __init__(self, model, max_batch: int, max_seq_len: int,
-                 kv_budget_bytes: int | None = None, cuda_graphs: bool = True):
+                 kv_budget_bytes: int | None = None, cuda_graphs: bool = True,
+                 compile: bool = False):
         self.model = _base_model(model)
         config = self.model.config
         if config.model_type not in MODEL_TYPES:
@@ -75,6 +76,9 @@ class Engine:
                                f"{kv_budget_bytes / 1e9:.2f} GB (it holds {fits} sequences)")
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.decoder = Decoder(self.model)
+        # torch.compile fuses the step's many small elementwise kernels (norms, rotary,
+        # LoRA's casts); compiled once per batch size, on the first decode step.
+        self._step = torch.compile(self.decoder, dynamic=False) if compile else self.decoder
         self.cache = KVCache.allocate(config, max_batch, max_seq_len, self.dtype, self.device)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self._graphs: dict[int, tuple] = {}
@@ -123,18 +127,18 @@ class Engine:
         batch = ids.shape[0]
         cache = self._view(batch)
         if not self.cuda_graphs:
-            return self.decoder(ids, slot, cache)
+            return self._step(ids, slot, cache)
         if batch not in self._graphs:
             ids, slot = ids.clone(), slot.clone()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm up: autotuning, workspaces
                 for _ in range(2):
-                    self.decoder(ids, slot, cache)
+                    self._step(ids, slot, cache)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                logits = self.decoder(ids, slot, cache)
+                logits = self._step(ids, slot, cache)
             self._graphs[batch] = (graph, ids, slot, logits)
         graph, ids_buf, slot_buf, logits = self._graphs[batch]
         ids_buf.copy_(ids)

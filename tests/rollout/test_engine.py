@@ -173,3 +173,16 @@ def test_bad_requests_are_refused_before_any_work():
         from transformers import GPT2Config, GPT2LMHeadModel
 
         Engine(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)), 1, 8)
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_gives_the_same_tokens():
+    seed = fresh_seed()
+    model = tiny("llama", torch.float32, seed)
+    params = SamplingParams(max_new_tokens=6, temperature=0)
+    eager = Engine(model, max_batch=4, max_seq_len=24).generate(PROMPTS, params)
+    compiled = Engine(model, max_batch=4, max_seq_len=24, compile=True).generate(PROMPTS,
+                                                                                params)
+    assert compiled.tokens == eager.tokens, f"seed {seed}"
+    assert torch.allclose(torch.tensor(compiled.logprobs), torch.tensor(eager.logprobs),
+                          atol=1e-5)
