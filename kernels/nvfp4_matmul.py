@@ -50,7 +50,9 @@ def _decode_asm(mag_mask: int, lo_shift: int, hi_shift: int, mul: str) -> str:
         lines += [f"shl.b32 a, {src}, {mag_shift};", f"and.b32 a, a, {mag_mask:#010x};",
                   f"shl.b32 c, {src}, {sign_shift};", "and.b32 c, c, 0x80008000;",
                   "or.b32 a, a, c;", f"{mul} ${out}, a, ${5 + out};"]
-    return "\n".join([*lines, "}"])
+    # One line: torch.compile re-emits user Triton kernels as source, where a multi-line
+    # string constant breaks.
+    return " ".join([*lines, "}"])
 
 
 # Magnitude bits at 6-8 (bf16: 2 exponent bits + 1 mantissa bit) or 9-11 (fp16).
