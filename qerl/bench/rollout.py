@@ -82,6 +82,39 @@ def bench_hf(model, batches, prompt_lens, gen_len) -> list[dict]:
     return rows
 
 
+def plot(csv_path: Path) -> Path:
+    """Tokens/s against LoRA rank per batch size and weight format (the paper's rollout
+    figure), eager engine runs plus Hugging Face as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    df = pd.read_csv(csv_path)
+    keys = ["model", "batch", "prompt_len"]
+    panels = df[df.weights != "hf-bf16"][keys].drop_duplicates().values.tolist()
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5), squeeze=False)
+    for ax, (model, batch, prompt_len) in zip(axes[0], panels, strict=True):
+        sel = df[(df.model == model) & (df.batch == batch) & (df.prompt_len == prompt_len)]
+        for weights, g in sel[(sel.weights != "hf-bf16") & (sel.compiled == 0)].groupby(
+                "weights"):
+            g = g.groupby("lora_rank", as_index=False).tok_per_s.last()
+            ax.plot(g.lora_rank, g.tok_per_s, marker="o", label=f"engine {weights}")
+        hf = sel[sel.weights == "hf-bf16"]
+        if len(hf):
+            ax.axhline(hf.tok_per_s.iloc[-1], color="grey", ls=":", label="HF generate bf16")
+        ax.set_title(f"{model} batch {batch} prompt {prompt_len}")
+        ax.set_xlabel("LoRA rank")
+        ax.set_ylabel("tokens/s")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Rollout throughput on {df['card'].iloc[0]}")
+    fig.tight_layout()
+    png = csv_path.with_suffix(".png")
+    fig.savefig(png, dpi=110)
+    return png
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="qerl bench rollout", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,7 +129,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hf-max-batch", type=int, default=32)
     parser.add_argument("--compile", default="0,1",
                         help="engine runs without (0) and with (1) torch.compile")
+    parser.add_argument("--plot", type=Path, help="only draw the figure of this CSV")
     args = parser.parse_args(argv)
+    if args.plot:
+        print(plot(args.plot))
+        return
     if not torch.cuda.is_available():
         raise SystemExit("qerl bench rollout: needs a CUDA GPU (none found)")
     base = provenance("cuda")
