@@ -1,0 +1,98 @@
+"""The vLLM backend: the embedded engine's ``generate`` on vLLM (``pip install 'qerl[vllm]'``).
+
+vLLM loads the policy's export once (``export_for_vllm``: the NVFP4 compressed-tensors base
+and the adapter); before every ``generate`` the current LoRA weights go to vLLM as a new
+adapter (vLLM takes adapters from disk, keyed by an integer id, so each push writes the
+small adapter files under ``workdir`` with a fresh id) and the current RMSNorm weights,
+AQN's noise included, are copied into vLLM's model in place (``LLM.apply_model``).
+
+Log-probabilities come from vLLM's "processed" log-probs (after temperature, top-k and
+top-p), where the embedded engine reports the tempered distribution before truncation:
+equal when top-k and top-p are off.
+
+Not run on this project's machines (no vLLM there): the translation of requests and results
+and the push order are tested against a stand-in module with vLLM 0.31's API shape
+(tests/rollout/test_vllm_backend.py); loading and sampling on a real vLLM are not.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from qerl.export import export_for_vllm
+from qerl.rollout.engine import Rollout, RolloutError
+from qerl.rollout.sampling import SamplingParams
+
+
+def _load_norms(norms: dict[str, torch.Tensor], model: torch.nn.Module) -> int:
+    """Runs inside vLLM's worker: copy norm weights into the model by name."""
+    params = dict(model.named_parameters())
+    missing = sorted(set(norms) - set(params))
+    if missing:
+        raise KeyError(f"vLLM's model has no parameter(s) {missing[:3]}")
+    with torch.no_grad():
+        for name, value in norms.items():
+            params[name].copy_(value.to(params[name].device, params[name].dtype))
+    return len(norms)
+
+
+class VLLMEngine:
+    """``generate(prompts, params) -> Rollout`` on vLLM, for a ``qerl`` or ``lora`` policy."""
+
+    def __init__(self, policy, workdir: str | Path, max_batch: int, max_seq_len: int,
+                 gpu_memory_utilization: float = 0.5, **llm_kwargs):
+        try:
+            import vllm
+        except ImportError as e:
+            raise RolloutError("the vLLM backend needs vllm: pip install 'qerl[vllm]'") from e
+        self.vllm = vllm
+        self.policy = policy
+        self.workdir = Path(workdir)
+        export = export_for_vllm(policy, self.workdir / "export", overwrite=True)
+        self.llm = vllm.LLM(model=str(export / "base"), enable_lora=True,
+                            max_lora_rank=policy.lora.rank, max_loras=2,
+                            max_num_seqs=max_batch, max_model_len=max_seq_len,
+                            gpu_memory_utilization=gpu_memory_utilization,
+                            logprobs_mode="processed_logprobs", **llm_kwargs)
+        self.adapter_id = 0
+
+    def push(self):
+        """Send the policy's current adapter and norms to vLLM; returns the LoRARequest."""
+        from vllm.lora.request import LoRARequest
+
+        self.adapter_id += 1
+        path = self.workdir / f"adapter-{self.adapter_id}"
+        self.policy.model.save_pretrained(path)
+        norms = {name: w.detach().to(torch.bfloat16).cpu()
+                 for name, w in self.policy.norm_weights().items()}
+        self.llm.apply_model(partial(_load_norms, norms))
+        previous = self.workdir / f"adapter-{self.adapter_id - 1}"
+        if previous.is_dir():  # vLLM has read it; keep the disk use to one adapter
+            for file in previous.iterdir():
+                file.unlink()
+            previous.rmdir()
+        return LoRARequest(f"policy-{self.adapter_id}", self.adapter_id, str(path))
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise RolloutError("every prompt needs at least one token")
+        request = self.push()
+        sampling = self.vllm.SamplingParams(
+            n=1, temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k if params.top_k else -1, max_tokens=params.max_new_tokens,
+            stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+            seed=params.seed, logprobs=0)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling,
+                                    lora_request=request, use_tqdm=False)
+        tokens, logprobs, reasons = [], [], []
+        for out in outputs:
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)
+            tokens.append(ids)
+            logprobs.append([step[token].logprob
+                             for step, token in zip(completion.logprobs, ids, strict=True)])
+            reasons.append("stop" if completion.finish_reason == "stop" else "length")
+        return Rollout(tokens, logprobs, reasons)

@@ -1,0 +1,113 @@
+"""The vLLM backend against a stand-in ``vllm`` module with vLLM 0.31's API shape: what it
+asks vLLM to load, what it pushes before each rollout (a fresh adapter, the noised norms),
+how it translates sampling requests and reads results back. Real vLLM is not installed on
+these machines: loading and sampling on it are not exercised here."""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from qerl.noise import AQNSettings
+from qerl.policy import build_policy
+from qerl.rollout import RolloutError, SamplingParams
+from qerl.rollout.vllm_backend import VLLMEngine
+from tests.conftest import fresh_seed
+from tests.test_policy import randomize_adapter
+
+
+@dataclass
+class LoRARequest:
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+class FakeLLM:
+    """Records requests; its 'model' is a transformers model with vLLM's parameter names."""
+
+    instances: ClassVar[list] = []
+
+    def __init__(self, model: str, **kwargs):
+        from transformers import AutoConfig
+
+        self.model_path, self.kwargs, self.calls = model, kwargs, []
+        self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+        FakeLLM.instances.append(self)
+
+    def apply_model(self, func):
+        self.calls.append("apply_model")
+        return [func(self.model)]
+
+    def generate(self, prompts, sampling, lora_request, use_tqdm):
+        from pathlib import Path
+
+        assert (Path(lora_request.lora_path) / "adapter_config.json").is_file()
+        self.calls.append(("generate", sampling.kwargs, lora_request))
+        outs = []
+        for i, prompt in enumerate(prompts):
+            ids = [len(prompt["prompt_token_ids"]), 7, 9][: 2 + i % 2]
+            steps = [{t: types.SimpleNamespace(logprob=-0.5 * (k + 1))} for k, t in
+                     enumerate(ids)]
+            completion = types.SimpleNamespace(token_ids=ids, logprobs=steps,
+                                               finish_reason="stop" if i % 2 else "length")
+            outs.append(types.SimpleNamespace(outputs=[completion]))
+        return outs
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = FakeLLM
+    vllm.SamplingParams = lambda **kwargs: types.SimpleNamespace(kwargs=kwargs)
+    lora = types.ModuleType("vllm.lora")
+    request = types.ModuleType("vllm.lora.request")
+    request.LoRARequest = LoRARequest
+    for name, module in (("vllm", vllm), ("vllm.lora", lora), ("vllm.lora.request", request)):
+        monkeypatch.setitem(sys.modules, name, module)
+    FakeLLM.instances = []
+    return vllm
+
+
+def test_each_rollout_pushes_a_fresh_adapter_and_the_noised_norms(fake_vllm, tiny_checkpoint,
+                                                                   tmp_path):
+    policy = build_policy("qerl", tiny_checkpoint, aqn=AQNSettings(num_stages=2),
+                          total_steps=4)
+    randomize_adapter(policy, fresh_seed())
+    engine = VLLMEngine(policy, tmp_path, max_batch=8, max_seq_len=64)
+    llm = FakeLLM.instances[0]
+    assert llm.model_path == str(tmp_path / "export" / "base")
+    assert llm.kwargs["enable_lora"] and llm.kwargs["max_lora_rank"] == 16
+    assert (tmp_path / "export" / "base" / "config.json").read_text().count("nvfp4")
+
+    params = SamplingParams(max_new_tokens=5, temperature=0.7, top_p=0.9,
+                            stop_token_ids=(9,), seed=3)
+    for step in (1, 2):
+        policy.aqn.perturb(step)
+        out = engine.generate([[1, 2, 3], [4, 5]], params)
+        vllm_norms = dict(llm.model.named_parameters())
+        for name, w in policy.norm_weights().items():
+            assert torch.equal(vllm_norms[name].to(torch.bfloat16), w.to(torch.bfloat16)), name
+        policy.aqn.restore()
+        _, kwargs, request = llm.calls[-1]
+        assert request.lora_int_id == step
+        assert not (tmp_path / f"adapter-{step - 1}").exists()  # the previous one is gone
+    assert kwargs == {"n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_tokens": 5,
+                      "stop_token_ids": [9], "ignore_eos": False, "seed": 3, "logprobs": 0}
+    assert out.tokens == [[3, 7], [2, 7, 9]]
+    assert out.logprobs == [[-0.5, -1.0], [-0.5, -1.0, -1.5]]
+    assert out.finish_reasons == ["length", "stop"]
+    with pytest.raises(RolloutError, match="at least one token"):
+        engine.generate([[1], []], params)
+
+
+def test_without_vllm_the_backend_says_how_to_get_it(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(RolloutError, match="pip install 'qerl\\[vllm\\]'"):
+        VLLMEngine(build_policy("qerl", tiny_checkpoint), tmp_path, 4, 32)
