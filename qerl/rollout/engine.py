@@ -7,7 +7,9 @@ KV cache sized from a memory budget and the decode step replayed from a CUDA gra
 
 Every call reads the policy's current parameters (LoRA, AQN-noised norms, NVFP4 codes) in
 place: there is no weight sync. A CUDA graph, captured once per batch size, holds pointers
-to those same tensors, so in-place optimizer updates are seen by the next replay.
+to those same tensors, so in-place optimizer updates are seen by the next replay; after
+replacing modules or tensors instead (``load_adapter``, ``model.to(...)``) call
+``engine.reset()`` so that the graphs are captured again.
 """
 
 from __future__ import annotations
@@ -82,6 +84,10 @@ class Engine:
         self.cache = KVCache.allocate(config, max_batch, max_seq_len, self.dtype, self.device)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self._graphs: dict[int, tuple] = {}
+
+    def reset(self) -> None:
+        """Forget the captured CUDA graphs (after the model's tensors were replaced)."""
+        self._graphs.clear()
 
     @staticmethod
     def max_batch_for(config, kv_budget_bytes: int, max_seq_len: int,
