@@ -40,6 +40,13 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def _row(label: str, batch: int, prompt_len: int, gen_len: int, seconds: float) -> dict:
+    row = {"batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,
+           "seconds": round(seconds, 3), "tok_per_s": round(batch * gen_len / seconds, 1)}
+    print(f"  {label}batch {batch} prompt {prompt_len}: {row['tok_per_s']} tok/s", flush=True)
+    return row
+
+
 def bench_engine(policy, batches, prompt_lens, gen_len, compile: bool) -> list[dict]:
     vocab = policy.config.vocab_size
     engine = Engine(policy, max_batch=max(batches), max_seq_len=max(prompt_lens) + gen_len,
@@ -51,11 +58,7 @@ def bench_engine(policy, batches, prompt_lens, gen_len, compile: bool) -> list[d
             params = SamplingParams(max_new_tokens=gen_len, ignore_eos=True, seed=0)
             engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
             seconds = _timed(lambda p=prompts, s=params: engine.generate(p, s))
-            rows.append({"batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,
-                         "seconds": round(seconds, 3),
-                         "tok_per_s": round(batch * gen_len / seconds, 1)})
-            print(f"  batch {batch} prompt {prompt_len}: {rows[-1]['tok_per_s']} tok/s",
-                  flush=True)
+            rows.append(_row("", batch, prompt_len, gen_len, seconds))
     return rows
 
 
@@ -74,11 +77,7 @@ def bench_hf(model, batches, prompt_lens, gen_len) -> list[dict]:
             with torch.no_grad():
                 model.generate(ids, max_new_tokens=2, pad_token_id=0)
                 seconds = _timed(run)
-            rows.append({"batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,
-                         "seconds": round(seconds, 3),
-                         "tok_per_s": round(batch * gen_len / seconds, 1)})
-            print(f"  hf batch {batch} prompt {prompt_len}: {rows[-1]['tok_per_s']} tok/s",
-                  flush=True)
+            rows.append(_row("hf ", batch, prompt_len, gen_len, seconds))
     return rows
 
 
