@@ -167,8 +167,12 @@ def test_bad_requests_are_refused_before_any_work():
         engine.generate([[1], [2], [3]], SamplingParams(max_new_tokens=2))
     with pytest.raises(RolloutError, match="outside"):
         engine.generate([[1, 128]], SamplingParams(max_new_tokens=2))
+    per_token = 2 * 2 * 2 * 16 * 4  # k and v, 2 layers, 2 kv heads, head_dim 16, fp32
     with pytest.raises(RolloutError, match="over the budget .* holds 3 sequences"):
-        Engine(model, max_batch=8, max_seq_len=100, kv_budget_bytes=3 * 100 * 2 * 2 * 2 * 16 * 4)
+        Engine(model, max_batch=8, max_seq_len=100, kv_budget_bytes=3 * 100 * per_token)
+    assert Engine.for_budget(model, 5 * 100 * per_token + 1, 100).max_batch == 5
+    with pytest.raises(RolloutError, match="holds no sequence of 100 tokens"):
+        Engine.for_budget(model, 99 * per_token, 100)
     with pytest.raises(RolloutError, match="runs qwen2, llama models, not 'gpt2'"):
         from transformers import GPT2Config, GPT2LMHeadModel
 
