@@ -240,9 +240,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _check(a: torch.Tensor, pairs, scale, global_scale, width: int, what: str) -> None:
-    """Validate the weight, then the activations ``a`` whose last dim must be ``width``."""
+def _check(a: torch.Tensor, pairs, scale, global_scale, what: str) -> tuple[int, int]:
+    """Validate the weight, then the activations ``a`` (``x``, last dim K, or ``dy``, last
+    dim N); return the weight's (N, K)."""
     n, k = layout.check_layer(pairs, scale, global_scale)
+    width = k if what == "x" else n
     if a.dtype not in SCALE_FACTORS:
         raise QuantizationError(f"{what} must be bfloat16 or float16, got {a.dtype}")
     if a.shape[-1] != width:
@@ -256,6 +258,7 @@ def _check(a: torch.Tensor, pairs, scale, global_scale, width: int, what: str) -
             f"the Triton kernels need CUDA tensors (got {a.device}); on CPU use the torch "
             "reference (qerl.nn.NVFP4Linear picks it by itself)"
         )
+    return n, k
 
 
 def _num_sms(device: torch.device) -> int:
@@ -303,8 +306,7 @@ def _kernel_flags(dtype: torch.dtype) -> dict:
     return {"ASM": asm, "BF16": dtype == torch.bfloat16, "PRE": pre, "POST": post}
 
 
-def _fused(op: str, a2, pairs, scale, global_scale, bias=None):
-    n, k = pairs.shape[0], scale.shape[1] * nvfp4.GROUP_SIZE
+def _fused(op: str, a2, n: int, k: int, pairs, scale, global_scale, bias=None):
     m = a2.shape[0]
     cfg = launch_config(op, m, n, k, _num_sms(a2.device))
     cols = n if op == "fwd" else k
@@ -343,8 +345,7 @@ def nvfp4_linear(x: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
                  global_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y[..., N] = x[..., K] @ deq(W)^T + bias, fp32 accumulation, in x's dtype; W given
     pair-interleaved (nvfp4_layout.to_pairs)."""
-    n, k = pairs.shape[0], scale.shape[-1] * nvfp4.GROUP_SIZE
-    _check(x, pairs, scale, global_scale, k, "x")
+    n, k = _check(x, pairs, scale, global_scale, "x")
     if bias is not None and (bias.shape != (n,) or bias.device != x.device):
         raise QuantizationError(f"bias must have shape ({n},) on {x.device}, got "
                                 f"{tuple(bias.shape)} on {bias.device}")
@@ -354,21 +355,21 @@ def nvfp4_linear(x: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
     if x2.shape[0] > FUSED_MAX_M:  # compute-bound: decode W once, then the BF16 GEMM
         w = dequantize(pairs, scale, global_scale, x.dtype)
         return torch.nn.functional.linear(x2, w, bias).reshape(*x.shape[:-1], n)
-    return _fused("fwd", x2, pairs, scale, global_scale, bias).reshape(*x.shape[:-1], n)
+    return _fused("fwd", x2, n, k, pairs, scale, global_scale, bias).reshape(
+        *x.shape[:-1], n)
 
 
 def nvfp4_linear_grad_input(dy: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
                             global_scale: torch.Tensor) -> torch.Tensor:
     """dx[..., K] = dy[..., N] @ deq(W): the input gradient of a frozen NVFP4 Linear."""
-    n, k = pairs.shape[0], scale.shape[-1] * nvfp4.GROUP_SIZE
-    _check(dy, pairs, scale, global_scale, n, "dy")
+    n, k = _check(dy, pairs, scale, global_scale, "dy")
     dy2 = dy.reshape(-1, n).contiguous()
     if dy2.shape[0] == 0:
         return dy.new_empty((*dy.shape[:-1], k))
     if dy2.shape[0] > FUSED_MAX_M:
         w = dequantize(pairs, scale, global_scale, dy.dtype)
         return (dy2 @ w).reshape(*dy.shape[:-1], k)
-    return _fused("bwd", dy2, pairs, scale, global_scale).reshape(*dy.shape[:-1], k)
+    return _fused("bwd", dy2, n, k, pairs, scale, global_scale).reshape(*dy.shape[:-1], k)
 
 
 def _reference_weight(pairs, scale, global_scale, dtype):

@@ -88,9 +88,9 @@ class Engine:
     @classmethod
     def for_budget(cls, model, kv_budget_bytes: int, max_seq_len: int, **kwargs) -> Engine:
         """An engine with as many sequences of ``max_seq_len`` as the KV budget holds."""
-        config = _base_model(model).config
-        dtype = _base_model(model).get_input_embeddings().weight.dtype
-        batch = cls.max_batch_for(config, kv_budget_bytes, max_seq_len, dtype)
+        base = _base_model(model)
+        dtype = base.get_input_embeddings().weight.dtype
+        batch = cls.max_batch_for(base.config, kv_budget_bytes, max_seq_len, dtype)
         if batch < 1:
             raise RolloutError(f"a KV budget of {kv_budget_bytes / 1e9:.3f} GB holds no "
                                f"sequence of {max_seq_len} tokens")
