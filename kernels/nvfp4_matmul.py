@@ -35,6 +35,7 @@ from qerl.errors import QuantizationError
 from qerl.formats import nvfp4
 from qerl.kernels import nvfp4_layout as layout
 
+MAX_SPLIT_K = 16  # so that a consumer can sum the partials unrolled (lora_decode)
 # E2M1 magnitude placed as fp16 bits is E2M1 * 2^-14.
 E2M1_AS_FP16_UNSCALE = tl.constexpr(16384.0)
 
@@ -295,7 +296,9 @@ def launch_config(op: str, m: int, n: int, k: int, num_sms: int) -> LaunchConfig
         block_c, pairs, warps = 64, 1, block_m // 16
         per_sm = 16 // warps
         tiles, chunks = triton.cdiv(k, 32), triton.cdiv(n, block_c)
-    split = max(1, min(chunks, triton.cdiv(per_sm * num_sms, tiles)))
+    # At most MAX_SPLIT_K: measured no slower than the 19-56 splits it replaced (7B q, k,
+    # down at M = 1-32), and a consumer of the partials can sum them unrolled.
+    split = max(1, min(chunks, triton.cdiv(per_sm * num_sms, tiles), MAX_SPLIT_K))
     return LaunchConfig(block_m, block_c, pairs, split, num_warps=warps,
                         num_stages=4 if op == "fwd" else 3)
 
@@ -325,7 +328,11 @@ def _fused(op: str, a2, n: int, k: int, pairs, scale, global_scale, bias=None):
     else:
         grid = (triton.cdiv(k, 32), cfg.split_k, m_tiles)
         nvfp4_bwd_kernel[grid](a2, pairs, scale, global_scale, out, m, n, k, *strides, **meta)
-    return out[0] if cfg.split_k == 1 else out.sum(0).to(a2.dtype)
+    return out
+
+
+def _reduced(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return partials[0] if partials.shape[0] == 1 else partials.sum(0).to(dtype)
 
 
 def dequantize(pairs: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
@@ -355,8 +362,22 @@ def nvfp4_linear(x: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
     if x2.shape[0] > FUSED_MAX_M:  # compute-bound: decode W once, then the BF16 GEMM
         w = dequantize(pairs, scale, global_scale, x.dtype)
         return torch.nn.functional.linear(x2, w, bias).reshape(*x.shape[:-1], n)
-    return _fused("fwd", x2, n, k, pairs, scale, global_scale, bias).reshape(
-        *x.shape[:-1], n)
+    return _reduced(_fused("fwd", x2, n, k, pairs, scale, global_scale, bias),
+                    x.dtype).reshape(*x.shape[:-1], n)
+
+
+def nvfp4_linear_partials(x2: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
+                          global_scale: torch.Tensor, bias: torch.Tensor | None = None
+                          ) -> torch.Tensor:
+    """x2 [M, K] with M <= FUSED_MAX_M -> the fused kernel's split-K partial sums
+    [S, M, N] (fp32; with S = 1, the result itself in x's dtype), for a consumer that adds
+    them up anyway and so saves the reduction's launch. Summed over S and rounded to x's
+    dtype they are ``nvfp4_linear``'s result."""
+    n, k = _check(x2, pairs, scale, global_scale, "x")
+    if x2.dim() != 2 or not 1 <= x2.shape[0] <= FUSED_MAX_M or x2.stride(-1) != 1:
+        raise QuantizationError(f"partial sums take 1 to {FUSED_MAX_M} contiguous rows "
+                                f"[M, K], got {tuple(x2.shape)}")
+    return _fused("fwd", x2, n, k, pairs, scale, global_scale, bias)
 
 
 def nvfp4_linear_grad_input(dy: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
@@ -369,7 +390,8 @@ def nvfp4_linear_grad_input(dy: torch.Tensor, pairs: torch.Tensor, scale: torch.
     if dy2.shape[0] > FUSED_MAX_M:
         w = dequantize(pairs, scale, global_scale, dy.dtype)
         return (dy2 @ w).reshape(*dy.shape[:-1], k)
-    return _fused("bwd", dy2, n, k, pairs, scale, global_scale).reshape(*dy.shape[:-1], k)
+    return _reduced(_fused("bwd", dy2, n, k, pairs, scale, global_scale),
+                    dy.dtype).reshape(*dy.shape[:-1], k)
 
 
 def _reference_weight(pairs, scale, global_scale, dtype):

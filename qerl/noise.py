@@ -98,7 +98,7 @@ def noisy_norm_weights(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: module.weight for name, module in noisy_norms(model).items()}
 
 
-def _output_in_input_dtype(module, args, output):
+def output_in_input_dtype(module, args, output):
     return output.to(args[0].dtype)
 
 
@@ -118,7 +118,7 @@ class AdaptiveQuantizationNoise:
         for module in norms.values():
             if module.weight.dtype != torch.float32:  # once per model (see the docstring)
                 module.weight.data = module.weight.data.float()
-                module.register_forward_hook(_output_in_input_dtype)
+                module.register_forward_hook(output_in_input_dtype)
         self.weights = {name: module.weight for name, module in norms.items()}
         self._clean: dict[str, torch.Tensor] | None = None
         self.step: int | None = None

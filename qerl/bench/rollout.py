@@ -34,6 +34,7 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def _timed(fn) -> float:
     torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     fn()
     torch.cuda.synchronize()
@@ -41,16 +42,19 @@ def _timed(fn) -> float:
 
 
 def _row(label: str, batch: int, prompt_len: int, gen_len: int, seconds: float) -> dict:
+    """A result; peak_gb is the most GPU memory allocated since the last _timed call
+    began (model, KV cache and activations: what must fit on the card)."""
     row = {"batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,
-           "seconds": round(seconds, 3), "tok_per_s": round(batch * gen_len / seconds, 1)}
+           "seconds": round(seconds, 3), "tok_per_s": round(batch * gen_len / seconds, 1),
+           "peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2)}
     print(f"  {label}batch {batch} prompt {prompt_len}: {row['tok_per_s']} tok/s", flush=True)
     return row
 
 
-def bench_engine(policy, batches, prompt_lens, gen_len, compile: bool) -> list[dict]:
+def bench_engine(policy, batches, prompt_lens, gen_len, fused: bool) -> list[dict]:
     vocab = policy.config.vocab_size
     engine = Engine(policy, max_batch=max(batches), max_seq_len=max(prompt_lens) + gen_len,
-                    compile=compile)
+                    fused=fused)
     rows = []
     for prompt_len in prompt_lens:
         for batch in batches:
@@ -96,7 +100,7 @@ def plot(csv_path: Path) -> Path:
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5), squeeze=False)
     for ax, (model, batch, prompt_len) in zip(axes[0], panels, strict=True):
         sel = df[(df.model == model) & (df.batch == batch) & (df.prompt_len == prompt_len)]
-        for weights, g in sel[(sel.weights != "hf-bf16") & (sel.compiled == 0)].groupby(
+        for weights, g in sel[(sel.weights != "hf-bf16") & (sel.fused == 1)].groupby(
                 "weights"):
             g = g.groupby("lora_rank", as_index=False).tok_per_s.last()
             ax.plot(g.lora_rank, g.tok_per_s, marker="o", label=f"engine {weights}")
@@ -126,8 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gen-len", type=int, default=1024)
     parser.add_argument("--hf-gen-len", type=int, default=256)
     parser.add_argument("--hf-max-batch", type=int, default=32)
-    parser.add_argument("--compile", default="0,1",
-                        help="engine runs without (0) and with (1) torch.compile")
+    parser.add_argument("--fused", default="1",
+                        help="engine runs with our decode kernels (1) and/or the model's "
+                             "own modules (0)")
     parser.add_argument("--plot", type=Path, help="only draw the figure of this CSV")
     args = parser.parse_args(argv)
     if args.plot:
@@ -149,15 +154,15 @@ def main(argv: list[str] | None = None) -> None:
                     policy = build_policy("full", arch=arch, device="cuda")
                     rows = bench_hf(policy.model, [b for b in batches if b <= args.hf_max_batch],
                                     prompt_lens, args.hf_gen_len)
-                    rows = [{"compiled": 0, **row} for row in rows]
+                    rows = [{"fused": 0, **row} for row in rows]
                 else:
                     policy = build_policy(WEIGHTS[kind], arch=arch, device="cuda",
                                           lora=LoraSettings(rank=rank, alpha=rank))
                     rows = []
-                    for compiled in (int(c) for c in args.compile.split(",")):
-                        print(f" compiled={compiled}", flush=True)
-                        rows += [{"compiled": compiled, **row} for row in bench_engine(
-                            policy, batches, prompt_lens, args.gen_len, bool(compiled))]
+                    for fused in (int(f) for f in args.fused.split(",")):
+                        print(f" fused={fused}", flush=True)
+                        rows += [{"fused": fused, **row} for row in bench_engine(
+                            policy, batches, prompt_lens, args.gen_len, bool(fused))]
                 append_rows(path, [{**base, "model": arch, "weights": kind, "lora_rank": rank,
                                     **row} for row in rows])
                 del policy

@@ -85,6 +85,17 @@ class NVFP4Linear(nn.Module):
         return NVFP4LinearFunction.apply(x, self.weight_pairs, self.weight_scale,
                                          self.weight_global_scale, bias)
 
+    def partial_sums(self, x2: torch.Tensor) -> torch.Tensor:
+        """Inference on rows x2 [M, K]: [S, M, N] whose sum over S, rounded to x's dtype,
+        is ``forward(x2)`` — the fused kernel's split-K partials where it runs (a consumer
+        that reduces anyway saves a launch), else the result itself as [1, M, N]."""
+        bias = None if self.bias is None else self.bias.to(x2.dtype)
+        if _use_kernels(x2) and x2.shape[0] <= kernels.FUSED_MAX_M:
+            return kernels.nvfp4_linear_partials(x2.contiguous(), self.weight_pairs,
+                                                 self.weight_scale, self.weight_global_scale,
+                                                 bias)
+        return self(x2)[None]
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, format=nvfp4")

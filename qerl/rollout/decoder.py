@@ -21,6 +21,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from qerl.kernels.rmsnorm import rms_norm
+from qerl.kernels.rotary_cache import reference_rotary_into_cache, rotary_into_cache
+from qerl.rollout.projections import project
+
 
 @dataclass
 class KVCache:
@@ -49,13 +53,33 @@ class KVCache:
                    torch.zeros(batch, dtype=torch.long, device=device))
 
 
+def fused_norm(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
+    """(weight, eps) of a Qwen2/Llama RMSNorm that the fused kernel computes exactly as its
+    forward does (AQN's output cast is the only hook it reproduces), else None."""
+    from qerl.noise import output_in_input_dtype
+
+    eps = getattr(norm, "variance_epsilon", None)
+    hooks = [h for h in norm._forward_hooks.values() if h is not output_in_input_dtype]
+    if (not type(norm).__name__.endswith("RMSNorm") or eps is None or hooks
+            or norm._forward_pre_hooks):
+        return None
+    return norm.weight, eps
+
+
 class Decoder(nn.Module):
     """``forward(ids [B, T], first_slot)`` -> logits of the last position [B, V], writing
-    slots first_slot .. first_slot + T - 1 of the cache."""
+    slots first_slot .. first_slot + T - 1 of the cache.
 
-    def __init__(self, model: nn.Module):
+    ``fused`` (on CUDA, or under Triton's interpreter) runs the glue between the matmuls
+    as our kernels — RMSNorm with the residual add, rotary with the cache write, LoRA in
+    two launches per input (kernels/, qerl/rollout/projections.py) — which a decode step,
+    a few rows, would otherwise spend ~200 launches per layer on. Unfused, every piece is
+    the model's own module: the reference the fused step is tested against."""
+
+    def __init__(self, model: nn.Module, fused: bool = False):
         super().__init__()
         self.model = model  # the transformers CausalLM (LoRA layers injected, if any)
+        self.fused = fused
         inner = model.model
         self.embed, self.layers, self.norm = inner.embed_tokens, inner.layers, inner.norm
         self.rotary = inner.rotary_emb
@@ -81,22 +105,43 @@ class Decoder(nn.Module):
         visible = ((s <= q) & ((s >= cache.pad[:, None, None]) | (s == q)))[:, None]
         h = self.embed(ids)
         cos, sin = self.rotary(h, positions)
+        delta = None  # the last block's output, added to h by the next norm
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), i, slots,
-                                    visible, cos, sin, cache)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.lm_head(self.norm(h[:, -1:]))[:, 0]
+            x, h = self._norm(layer.input_layernorm, h, delta)
+            attn = self._attention(layer.self_attn, x, i, slots, visible, cos, sin, cache)
+            x, h = self._norm(layer.post_attention_layernorm, h, attn)
+            delta = self._mlp(layer.mlp, x)
+        x, _ = self._norm(self.norm, h[:, -1:], delta[:, -1:])
+        return self.lm_head(x)[:, 0]
+
+    def _norm(self, norm, h, delta):
+        """(norm(h + delta), h + delta)."""
+        fused = fused_norm(norm) if self.fused else None
+        if fused is not None:
+            return rms_norm(h, *fused, residual=delta)
+        if delta is not None:
+            h = h + delta
+        return norm(h), h
+
+    def _project(self, modules, x):
+        rows = x.reshape(-1, x.shape[-1])
+        outs = project(modules, rows) if self.fused else [m(rows) for m in modules]
+        return [out.view(*x.shape[:-1], -1) for out in outs]
+
+    def _mlp(self, mlp, x):
+        gate, up = self._project([mlp.gate_proj, mlp.up_proj], x)
+        return self._project([mlp.down_proj], mlp.act_fn(gate) * up)[0]
 
     def _attention(self, attn, x, i, slots, visible, cos, sin, cache):
         batch, steps, _ = x.shape
-        shape = (batch, steps, -1, self.head_dim)
-        q = attn.q_proj(x).view(shape).transpose(1, 2)
-        k = attn.k_proj(x).view(shape).transpose(1, 2)
-        v = attn.v_proj(x).view(shape).transpose(1, 2)
-        q, k = self._apply_rotary(q, k, cos, sin)
-        cache.k[i].index_copy_(2, slots, k.to(cache.k.dtype))
-        cache.v[i].index_copy_(2, slots, v.to(cache.v.dtype))
+        q, k, v = self._project([attn.q_proj, attn.k_proj, attn.v_proj], x)
+        k, v = k.to(cache.k.dtype), v.to(cache.v.dtype)
+        if self.fused:
+            q = rotary_into_cache(q, k, v, cos, sin, cache.k[i], cache.v[i], slots)
+        else:
+            q = reference_rotary_into_cache(q, k, v, cos, sin, cache.k[i], cache.v[i], slots,
+                                            self._apply_rotary)
         out = F.scaled_dot_product_attention(q, cache.k[i], cache.v[i], attn_mask=visible,
                                              scale=self.scaling,
                                              enable_gqa=self.heads != self.kv_heads)
-        return attn.o_proj(out.transpose(1, 2).reshape(batch, steps, -1))
+        return self._project([attn.o_proj], out.transpose(1, 2).reshape(batch, steps, -1))[0]

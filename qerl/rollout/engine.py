@@ -55,11 +55,12 @@ def _base_model(model) -> nn.Module:
 class Engine:
     """Serves up to ``max_batch`` sequences of up to ``max_seq_len`` tokens (prompt plus
     generation). ``kv_budget_bytes``, if given, caps the cache; ``Engine.max_batch_for``
-    says how many sequences a budget holds."""
+    says how many sequences a budget holds. ``fused`` (default: on CUDA) runs the step's
+    norms, rotary and LoRA as our kernels (see ``Decoder``)."""
 
     def __init__(self, model, max_batch: int, max_seq_len: int,
                  kv_budget_bytes: int | None = None, cuda_graphs: bool = True,
-                 compile: bool = False):
+                 fused: bool | None = None):
         self.model = _base_model(model)
         config = self.model.config
         if config.model_type not in MODEL_TYPES:
@@ -77,10 +78,8 @@ class Engine:
                                f"{need / 1e9:.2f} GB, over the budget of "
                                f"{kv_budget_bytes / 1e9:.2f} GB (it holds {fits} sequences)")
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
-        self.decoder = Decoder(self.model)
-        # torch.compile fuses the step's many small elementwise kernels (norms, rotary,
-        # LoRA's casts); compiled once per batch size, on the first decode step.
-        self._step = torch.compile(self.decoder, dynamic=False) if compile else self.decoder
+        self.decoder = Decoder(self.model, fused=self.device.type == "cuda" if fused is None
+                               else fused)
         self.cache = KVCache.allocate(config, max_batch, max_seq_len, self.dtype, self.device)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self._graphs: dict[int, tuple] = {}
@@ -144,18 +143,18 @@ class Engine:
         batch = ids.shape[0]
         cache = self._view(batch)
         if not self.cuda_graphs:
-            return self._step(ids, slot, cache)
+            return self.decoder(ids, slot, cache)
         if batch not in self._graphs:
             ids, slot = ids.clone(), slot.clone()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm up: autotuning, workspaces
                 for _ in range(2):
-                    self._step(ids, slot, cache)
+                    self.decoder(ids, slot, cache)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                logits = self._step(ids, slot, cache)
+                logits = self.decoder(ids, slot, cache)
             self._graphs[batch] = (graph, ids, slot, logits)
         graph, ids_buf, slot_buf, logits = self._graphs[batch]
         ids_buf.copy_(ids)

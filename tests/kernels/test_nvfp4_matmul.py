@@ -11,26 +11,11 @@ from qerl.formats import nvfp4
 from qerl.kernels import nvfp4_layout as layout
 from qerl.kernels import nvfp4_matmul as km
 from tests.conftest import fresh_seed
+from tests.kernels.conftest import device
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_kernels = pytest.mark.skipif(
     not (torch.cuda.is_available() or km.interpreting()), reason="no GPU and no interpreter")
-
-
-def device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    """Every buffer the kernels' wrappers allocate starts as NaN: unwritten output fails."""
-    real_empty = torch.empty
-
-    def empty(*shape, dtype=None, device=None, **kw):
-        t = real_empty(*shape, dtype=dtype, device=device, **kw)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", empty)
 
 
 def make(n: int, k: int, m_shape: tuple, dtype, seed: int, dev: str):

@@ -180,27 +180,27 @@ def test_bad_requests_are_refused_before_any_work():
 
 
 @pytest.mark.slow
-def test_compiled_decode_step_gives_the_same_tokens():
+@pytest.mark.parametrize("method", ["lora", "qerl"])
+def test_fused_step_equals_the_models_own_modules(method, tiny_model_dir, tiny_checkpoint):
+    """Our norm, rotary and LoRA kernels against the modules they stand in for, with a
+    trained adapter and AQN's noise on: fp32 BF16-LoRA gives the same tokens and
+    log-probabilities; on NVFP4 (bf16 activations) the first steps agree to rounding — one
+    or two bf16 ulps per projection, which this tiny model with planted outliers amplifies
+    (and Triton's interpreter truncates to bf16 where the GPU rounds)."""
     seed = fresh_seed()
-    model = tiny("llama", torch.float32, seed)
-    params = SamplingParams(max_new_tokens=6, temperature=0)
-    eager = Engine(model, max_batch=4, max_seq_len=24).generate(PROMPTS, params)
-    compiled = Engine(model, max_batch=4, max_seq_len=24, compile=True).generate(PROMPTS,
-                                                                                params)
-    assert compiled.tokens == eager.tokens, f"seed {seed}"
-    assert torch.allclose(torch.tensor(compiled.logprobs), torch.tensor(eager.logprobs),
-                          atol=1e-5)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_compiled_decode_step_runs_the_nvfp4_kernels(tiny_checkpoint):
-    policy = build_policy("qerl", tiny_checkpoint, device="cuda")
-    randomize_adapter(policy, fresh_seed())
-    eager = Engine(policy, max_batch=4, max_seq_len=24).generate(PROMPTS, GREEDY)
-    compiled = Engine(policy, max_batch=4, max_seq_len=24, compile=True).generate(PROMPTS,
-                                                                                 GREEDY)
-    # Fused bf16 elementwise ops round differently: compare the first steps only (a later
-    # near-tie may part the sequences).
-    first = [lp[:3] for lp in compiled.logprobs], [lp[:3] for lp in eager.logprobs]
-    assert torch.allclose(torch.tensor(first[0]), torch.tensor(first[1]), atol=5e-2)
+    source = tiny_model_dir if method == "lora" else tiny_checkpoint
+    policy = build_policy(method, source, aqn=AQNSettings(num_stages=2), total_steps=2,
+                          device=DEVICE)
+    if method == "lora":
+        policy.model.float()
+    randomize_adapter(policy, seed)
+    policy.aqn.perturb(1)
+    modules, fused = (Engine(policy, max_batch=4, max_seq_len=24, fused=f).generate(
+        PROMPTS, GREEDY) for f in (False, True))
+    if method == "lora":
+        assert fused.tokens == modules.tokens, seed
+        assert torch.allclose(torch.tensor(fused.logprobs), torch.tensor(modules.logprobs),
+                              atol=1e-5), seed
+    else:
+        first = [lp[:3] for lp in fused.logprobs], [lp[:3] for lp in modules.logprobs]
+        assert torch.allclose(torch.tensor(first[0]), torch.tensor(first[1]), atol=0.1), seed

@@ -1,0 +1,74 @@
+"""A decode step's projections with unmerged LoRA in few launches.
+
+Projections that read the same input (q/k/v, gate/up) share one LoRA shrink; each then
+gets its base projection and one expand that adds the adapter and, on an NVFP4 base, sums
+the kernel's split-K partials (kernels/lora_decode.py). The weights are read from the
+modules at every call, so the fused path sees the live adapter like PEFT's forward does.
+
+Anything else — a LoRA variant (DoRA), several or disabled adapters, a merged layer,
+ranks that differ inside a group, more rows than the kernels hold — runs the modules' own
+forward, which is the reference these kernels are tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from peft.tuners.lora.layer import Linear as LoraLinear
+from torch import nn
+
+from qerl.kernels import lora_decode
+from qerl.kernels.nvfp4_matmul import interpreting
+from qerl.nn.nvfp4_linear import NVFP4Linear
+
+
+@dataclass
+class LoraParts:
+    base: nn.Module
+    a: torch.Tensor
+    b: torch.Tensor
+    scaling: float
+
+
+def lora_parts(module: nn.Module) -> LoraParts | None:
+    """The pieces of a vanilla, single-adapter, unmerged PEFT LoRA Linear, else None."""
+    if not isinstance(module, LoraLinear) or module.disable_adapters or module.merged:
+        return None
+    active = [name for name in module.active_adapters if name in module.lora_A]
+    if len(active) != 1:
+        return None
+    name = active[0]
+    if name in module.lora_variant or module.lora_bias.get(name, False):
+        return None
+    a, b = module.lora_A[name].weight, module.lora_B[name].weight
+    if a.shape[0] > lora_decode.MAX_RANK or a.dtype != b.dtype:
+        return None
+    if module.training and not isinstance(module.lora_dropout[name], nn.Identity):
+        return None
+    return LoraParts(module.base_layer, a, b, float(module.scaling[name]))
+
+
+def _base_partials(base: nn.Module, x2: torch.Tensor) -> torch.Tensor:
+    if isinstance(base, NVFP4Linear):
+        return base.partial_sums(x2)
+    return base(x2)[None]
+
+
+def project(modules: list[nn.Module], x2: torch.Tensor) -> list[torch.Tensor]:
+    """Each module applied to the rows x2 [M, K]."""
+    parts = [lora_parts(m) for m in modules]
+    fusable = (
+        x2.shape[0] <= lora_decode.MAX_ROWS
+        and (x2.is_cuda or interpreting())
+        and all(p is not None for p in parts)
+        and len({(p.a.shape, p.a.dtype) for p in parts}) == 1
+    )
+    if not fusable:
+        return [m(x2) for m in modules]
+    x2 = x2.contiguous()
+    xa = lora_decode.lora_shrink(x2, [p.a for p in parts])
+    return [lora_decode.lora_expand(xa, g, p.b, p.scaling, _base_partials(p.base, x2),
+                                    x2.dtype)
+            for g, p in enumerate(parts)]
+

@@ -1,0 +1,138 @@
+"""The decode step's kernels (RMSNorm + residual, rotary + cache write, LoRA shrink/expand)
+against the torch code they replace: under Triton's CPU interpreter on small odd shapes
+(fp32, where the interpreter rounds like the GPU) and in bf16 on a GPU. They round where
+torch rounds; only the order of their sums differs (rotary has none: bit-exact)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from qerl.kernels import lora_decode, rmsnorm, rotary_cache
+from qerl.kernels.nvfp4_matmul import interpreting
+from tests.conftest import fresh_seed
+from tests.kernels.conftest import device
+
+needs_kernels = pytest.mark.skipif(
+    not (torch.cuda.is_available() or interpreting()), reason="no GPU and no interpreter")
+pytestmark = needs_kernels
+
+
+def dtypes():
+    """fp32 everywhere; bf16 only on a GPU (the interpreter truncates fp32 -> bf16)."""
+    return [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+
+
+def rand(gen, *shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device())
+
+
+@pytest.mark.parametrize("dtype", dtypes())
+@pytest.mark.parametrize("n", [40, 96])
+def test_rms_norm_matches_hugging_face(poisoned, dtype, n):
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    x, res = rand(gen, 3, 5, n, dtype=dtype), rand(gen, 3, 5, n, dtype=dtype)
+    for weight in (rand(gen, n, dtype=dtype), rand(gen, n)):  # model dtype, and AQN's fp32
+        for residual in (None, res):
+            out, total = rmsnorm.rms_norm(x, weight, 1e-6, residual)
+            ref_out, ref_total = rmsnorm.reference_rms_norm(x, weight, 1e-6, residual)
+            assert torch.equal(total, ref_total), seed
+            assert out.dtype == dtype
+            # Only the sum of squares' order differs; bf16 rows may round one ulp apart.
+            tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {
+                "atol": 1e-2, "rtol": 1e-2}
+            torch.testing.assert_close(out, ref_out, **tol, msg=lambda m, s=seed: f"{s}: {m}")
+
+
+def test_rms_norm_on_strided_rows_and_bad_weight():
+    gen = torch.Generator().manual_seed(fresh_seed())
+    h = rand(gen, 2, 7, 32)
+    weight = rand(gen, 32)
+    out, _ = rmsnorm.rms_norm(h[:, -1:], weight, 1e-5)
+    torch.testing.assert_close(out, rmsnorm.reference_rms_norm(h[:, -1:], weight, 1e-5)[0],
+                               atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="weight has shape"):
+        rmsnorm.rms_norm(h, rand(gen, 31), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", dtypes())
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_rotary_into_cache_matches_hugging_face(poisoned, dtype, arch):
+    """Queries returned, keys and values written at their slots; the rest of the cache is
+    untouched."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    batch, steps, heads, kv_heads, head_dim, slots = 3, 2, 6, 2, 24, 9
+    q = rand(gen, batch, steps, heads * head_dim, dtype=dtype)
+    k, v = (rand(gen, batch, steps, kv_heads * head_dim, dtype=dtype) for _ in range(2))
+    angle = rand(gen, batch, steps, head_dim // 2) * 3
+    cos = torch.cat([angle.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angle.sin()] * 2, -1).to(dtype)
+    where = torch.tensor([4, 7], device=device())
+    # A cache for 5 sequences, of which the batch is the first 3 (as the engine slices it).
+    k_cache, v_cache = (rand(gen, 2, 5, kv_heads, slots, head_dim, dtype=dtype)
+                        for _ in range(2))
+    caches = [k_cache, v_cache, k_cache.clone(), v_cache.clone()]
+    apply = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}"
+                                    ).apply_rotary_pos_emb
+    got = rotary_cache.rotary_into_cache(q, k, v, cos, sin, caches[0][1, :batch],
+                                         caches[1][1, :batch], where)
+    ref = rotary_cache.reference_rotary_into_cache(q, k, v, cos, sin, caches[2][1, :batch],
+                                                   caches[3][1, :batch], where, apply)
+    # 16-bit: bit-exact. fp32: Triton may contract q*cos + rot(q)*sin into an FMA.
+    tol = ({"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32
+           else {"atol": 0, "rtol": 0})
+    for a, b in ((got, ref), (caches[0], caches[2]), (caches[1], caches[3])):
+        torch.testing.assert_close(a, b, **tol, msg=lambda m, s=seed: f"{s}: {m}")
+
+
+def test_rotary_into_cache_refuses_mismatched_heads():
+    gen = torch.Generator().manual_seed(0)
+    cache = rand(gen, 1, 2, 4, 8)
+    with pytest.raises(ValueError, match="heads"):
+        rotary_cache.rotary_into_cache(rand(gen, 1, 1, 20), rand(gen, 1, 1, 16),
+                                       rand(gen, 1, 1, 16), rand(gen, 1, 1, 8),
+                                       rand(gen, 1, 1, 8), cache, cache,
+                                       torch.zeros(1, dtype=torch.long, device=device()))
+
+
+@pytest.mark.parametrize("lora_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "rank", "group", "splits"),
+                         [(1, 8, 3, 3), (5, 16, 2, 1), (19, 24, 1, 2), (33, 64, 3, None)])
+def test_lora_shrink_expand_match_peft(poisoned, lora_dtype, rows, rank, group, splits):
+    """Each member of a group: base + x A^T B^T * scaling as PEFT computes it, from a base
+    given whole or as fp32 partials split over K."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    dtype = torch.float32 if interpreting() else torch.bfloat16
+    k, widths = 136, [72, 40, 40][:group]
+    x = rand(gen, rows, k, dtype=dtype)
+    a = [rand(gen, rank, k, dtype=lora_dtype, scale=0.1) for _ in range(group)]
+    b = [rand(gen, n, rank, dtype=lora_dtype, scale=0.1) for n in widths]
+    xa = lora_decode.lora_shrink(x, a, splits)
+    assert xa.shape[1:] == (rows, group * rank)
+    for g, n in enumerate(widths):
+        partials = rand(gen, 3, rows, n)
+        base = partials.sum(0).to(dtype)
+        ref = lora_decode.reference_lora(x, base, a[g], b[g], 0.5)
+        for given in (partials, base[None]):
+            got = lora_decode.lora_expand(xa, g, b[g], 0.5, given, dtype)
+            assert got.dtype == dtype
+            exact = dtype == torch.float32 and lora_dtype == torch.float32
+            tol = {"atol": 1e-5, "rtol": 1e-5} if exact else {"atol": 2e-2, "rtol": 2e-2}
+            torch.testing.assert_close(got, ref, **tol, msg=lambda m, s=seed: f"{s}: {m}")
+
+
+def test_lora_kernels_refuse_what_they_cannot_hold():
+    gen = torch.Generator().manual_seed(0)
+    x = rand(gen, lora_decode.MAX_ROWS + 1, 32)
+    with pytest.raises(ValueError, match="rows"):
+        lora_decode.lora_shrink(x, [rand(gen, 8, 32)])
+    with pytest.raises(ValueError, match="contiguous"):
+        lora_decode.lora_shrink(x[:4], [rand(gen, 8, 32), rand(gen, 4, 32)])
+    xa = lora_decode.lora_shrink(x[:4], [rand(gen, 8, 32)])
+    with pytest.raises(ValueError, match="base must be"):
+        lora_decode.lora_expand(xa, 0, rand(gen, 16, 8), 1.0, rand(gen, 4, 16), torch.float32)
