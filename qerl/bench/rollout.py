@@ -86,8 +86,9 @@ def bench_hf(model, batches, prompt_lens, gen_len) -> list[dict]:
 
 
 def plot(csv_path: Path) -> Path:
-    """Tokens/s against LoRA rank per batch size and weight format (the paper's rollout
-    figure), eager engine runs plus Hugging Face as a line."""
+    """Left, the paper's rollout-vs-rank figure: tokens/s against LoRA rank for each
+    (model, batch, prompt) measured at several ranks, Hugging Face as a line. Right,
+    NVFP4's speed relative to BF16 per model and batch (same rank and prompt length)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,23 +96,36 @@ def plot(csv_path: Path) -> Path:
     import pandas as pd
 
     df = pd.read_csv(csv_path)
+    engine = df[(df.weights != "hf-bf16") & (df.get("fused", 1) == 1)]
     keys = ["model", "batch", "prompt_len"]
-    panels = df[df.weights != "hf-bf16"][keys].drop_duplicates().values.tolist()
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5), squeeze=False)
-    for ax, (model, batch, prompt_len) in zip(axes[0], panels, strict=True):
-        sel = df[(df.model == model) & (df.batch == batch) & (df.prompt_len == prompt_len)]
-        for weights, g in sel[(sel.weights != "hf-bf16") & (sel.fused == 1)].groupby(
-                "weights"):
+    ranked = [k for k, g in engine.groupby(keys) if g.lora_rank.nunique() > 1]
+    fig, axes = plt.subplots(1, len(ranked) + 1, figsize=(4.5 * (len(ranked) + 1), 3.8),
+                             squeeze=False)
+    for ax, (model, batch, prompt_len) in zip(axes[0], ranked, strict=False):
+        sel = engine[(engine.model == model) & (engine.batch == batch)
+                     & (engine.prompt_len == prompt_len)]
+        for weights, g in sel.groupby("weights"):
             g = g.groupby("lora_rank", as_index=False).tok_per_s.last()
             ax.plot(g.lora_rank, g.tok_per_s, marker="o", label=f"engine {weights}")
-        hf = sel[sel.weights == "hf-bf16"]
+        hf = df[(df.weights == "hf-bf16") & (df.model == model) & (df.batch == batch)]
         if len(hf):
             ax.axhline(hf.tok_per_s.iloc[-1], color="grey", ls=":", label="HF generate bf16")
         ax.set_title(f"{model} batch {batch} prompt {prompt_len}")
         ax.set_xlabel("LoRA rank")
         ax.set_ylabel("tokens/s")
         ax.legend(fontsize=7)
-    fig.suptitle(f"Rollout throughput on {df['card'].iloc[0]}")
+    ax = axes[0][-1]
+    pivot = engine.pivot_table(index=["model", "batch", "prompt_len", "lora_rank"],
+                               columns="weights", values="tok_per_s", aggfunc="last")
+    if {"bf16", "nvfp4"} <= set(pivot.columns):
+        ratio = (pivot.nvfp4 / pivot.bf16).dropna()
+        labels = [f"{m.removeprefix('qwen2.5-')} b{b} p{p} r{r}" for m, b, p, r in ratio.index]
+        ax.barh(labels, ratio.values)
+        ax.axvline(1.0, color="grey", ls=":")
+        ax.set_xlabel("NVFP4 tokens/s / BF16 tokens/s")
+        ax.tick_params(axis="y", labelsize=7)
+        ax.set_title("NVFP4 vs BF16 (engine, LoRA attached)")
+    fig.suptitle(f"Rollout throughput on {df['card'].iloc[0]} (generate {df.gen_len.max()})")
     fig.tight_layout()
     png = csv_path.with_suffix(".png")
     fig.savefig(png, dpi=110)

@@ -126,6 +126,17 @@ def test_lora_shrink_expand_match_peft(poisoned, lora_dtype, rows, rank, group, 
             torch.testing.assert_close(got, ref, **tol, msg=lambda m, s=seed: f"{s}: {m}")
 
 
+def test_lora_shrink_sums_its_partials_when_they_are_many(monkeypatch):
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    x, a = rand(gen, 7, 200), [rand(gen, 16, 200), rand(gen, 16, 200)]
+    many = lora_decode.lora_shrink(x, a, splits=4)
+    monkeypatch.setattr(lora_decode, "REDUCE_ABOVE", 0)
+    summed = lora_decode.lora_shrink(x, a, splits=4)
+    assert many.shape[0] == 4 and summed.shape[0] == 1
+    torch.testing.assert_close(summed[0], many.sum(0), atol=1e-6, rtol=1e-6)
+
+
 def test_lora_kernels_refuse_what_they_cannot_hold():
     gen = torch.Generator().manual_seed(0)
     x = rand(gen, lora_decode.MAX_ROWS + 1, 32)
