@@ -1,0 +1,1 @@
+"""RL training: tasks, verifiable rewards, and GRPO/DAPO on TRL with the embedded engine."""

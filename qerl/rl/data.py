@@ -1,0 +1,139 @@
+"""Training and evaluation tasks as TRL datasets: a conversational ``prompt`` (one user
+message, the question plus the instruction to box the answer, so each model's own chat
+template renders it) and the gold final ``answer`` that the rewards check.
+
+    load_task("gsm8k")                                   # the hub (openai/gsm8k, main)
+    load_task("gsm8k", path="data/gsm8k_train.jsonl")    # the same schema, a local file
+    load_task("arithmetic", level=2, size=512, seed=0)   # procedural, for small models
+
+Hub names: gsm8k (openai/gsm8k), math500 (HuggingFaceH4/MATH-500), dapo-math-17k
+(BytedTsinghua-SIA/DAPO-Math-17k), bigmath (SynthLabsAI/Big-Math-RL-Verified). A local
+.jsonl/.json/.parquet file of any of these schemas works in place of the hub.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from qerl.errors import QerlError
+
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+class DataError(QerlError):
+    """A dataset is missing, unreadable or has no usable rows."""
+
+
+@dataclass(frozen=True)
+class HubTask:
+    repo: str
+    config: str | None = None
+
+
+HUB = {
+    "gsm8k": HubTask("openai/gsm8k", "main"),
+    "math500": HubTask("HuggingFaceH4/MATH-500"),
+    "dapo-math-17k": HubTask("BytedTsinghua-SIA/DAPO-Math-17k"),
+    "bigmath": HubTask("SynthLabsAI/Big-Math-RL-Verified"),
+}
+TASKS = (*HUB, "arithmetic")
+
+
+def question_and_answer(row: dict) -> tuple[str, str] | None:
+    """(question, gold final answer) of a row in any supported schema, or None."""
+    if "question" in row and "answer" in row:  # GSM8K: the solution ends with "#### N"
+        solution = str(row["answer"])
+        if "####" not in solution:
+            return None
+        return str(row["question"]), solution.rsplit("####", 1)[1].strip().replace(",", "")
+    if "problem" in row and row.get("answer") not in (None, ""):  # MATH-500, DAPO, Big-Math
+        return str(row["problem"]), str(row["answer"]).strip()
+    if isinstance(row.get("prompt"), list) and isinstance(row.get("reward_model"), dict):
+        # DAPO-Math-17k on the hub: the prompt carries its own instruction text.
+        content = row["prompt"][-1].get("content", "")
+        return str(content), str(row["reward_model"].get("ground_truth", "")).strip()
+    return None
+
+
+def _rows(name: str, path: str | Path | None, split: str):
+    import datasets
+
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise DataError(f"dataset file {path} does not exist")
+        kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(path.suffix)
+        if kind is None:
+            raise DataError(f"dataset file {path}: expected .jsonl, .json or .parquet")
+        try:
+            return datasets.load_dataset(kind, data_files=str(path), split="train")
+        except Exception as e:  # datasets raises many types for unreadable files
+            raise DataError(f"cannot read dataset file {path}: {e}") from e
+    hub = HUB[name]
+    return datasets.load_dataset(hub.repo, hub.config, split=split)
+
+
+def load_task(name: str, path: str | Path | None = None, split: str = "train",
+              limit: int | None = None, level: int = 1, size: int = 1024, seed: int = 0):
+    """The task as a datasets.Dataset with columns ``prompt`` (a user message) and
+    ``answer``; ``limit`` keeps the first rows."""
+    import datasets
+
+    if name not in TASKS:
+        raise DataError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
+    if name == "arithmetic":
+        pairs = arithmetic_problems(level, size, seed)
+    else:
+        pairs = [qa for qa in map(question_and_answer, _rows(name, path, split)) if qa]
+    if limit is not None:
+        pairs = pairs[:limit]
+    if not pairs:
+        raise DataError(f"task {name} ({path or 'hub'}) has no usable rows (each needs a "
+                        "question/problem and a final answer)")
+    return datasets.Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": f"{q}\n{INSTRUCTION}"}] for q, _ in pairs],
+        "answer": [a for _, a in pairs],
+    })
+
+
+def arithmetic_problems(level: int, size: int, seed: int) -> list[tuple[str, str]]:
+    """``size`` integer problems whose difficulty grows with ``level`` (1-5): 1, one-digit
+    sums; 2, two-digit sums and differences; 3, a product plus a term; 4, three-digit
+    mixed expressions with parentheses; 5, four terms with products of two-digit numbers.
+    The same (level, size, seed) always gives the same problems."""
+    if not 1 <= level <= 5:
+        raise DataError(f"arithmetic level must be 1 to 5, got {level}")
+    if size < 1:
+        raise DataError(f"arithmetic size must be >= 1, got {size}")
+    rng = random.Random(f"arithmetic-{level}-{seed}")
+
+    def n(digits: int) -> int:
+        return rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10 ** digits - 1)
+
+    def sign() -> int:
+        return rng.choice((1, -1))
+
+    def op(s: int) -> str:
+        return "+" if s > 0 else "-"
+
+    out = []
+    for _ in range(size):
+        if level == 1:
+            a, b = n(1), n(1)
+            expr, value = f"{a} + {b}", a + b
+        elif level == 2:
+            a, b, s = n(2), n(2), sign()
+            expr, value = f"{a} {op(s)} {b}", a + s * b
+        elif level == 3:
+            a, b, c, s = n(1), n(2), n(2), sign()
+            expr, value = f"{a} * {b} {op(s)} {c}", a * b + s * c
+        elif level == 4:
+            a, b, c, d, s = n(3), n(2), n(1), n(3), sign()
+            expr, value = f"({a} {op(s)} {b}) * {c} - {d}", (a + s * b) * c - d
+        else:
+            a, b, c, d, e, s = n(2), n(2), n(2), n(2), n(3), sign()
+            expr, value = f"{a} * {b} {op(s)} {c} * {d} - {e}", a * b + s * c * d - e
+        out.append((f"What is {expr}?", str(value)))
+    return out

@@ -1,0 +1,49 @@
+"""Tasks from local files (the hub's schemas) and the procedural arithmetic task."""
+
+from __future__ import annotations
+
+import pytest
+
+from qerl.rl.data import INSTRUCTION, DataError, arithmetic_problems, load_task
+from tests.rl.test_rewards import DATA
+
+
+@pytest.mark.parametrize(("name", "file", "rows", "first"), [
+    ("gsm8k", "gsm8k_test.jsonl", 1319, "18"),
+    ("gsm8k", "gsm8k_train_head200.jsonl", 200, "72"),
+    ("math500", "math500_test.jsonl", 500, "\\left( 3, \\frac{\\pi}{2} \\right)"),
+    ("dapo-math-17k", "dapo_math_17k_head200.jsonl", 200, "34"),
+])
+def test_local_files_load_as_conversational_prompts(name, file, rows, first):
+    task = load_task(name, path=DATA / file)
+    assert len(task) == rows and task[0]["answer"] == first
+    message = task[0]["prompt"]
+    assert len(message) == 1 and message[0]["role"] == "user"
+    assert message[0]["content"].endswith(INSTRUCTION)
+    assert len(load_task(name, path=DATA / file, limit=7)) == 7
+
+
+def test_bad_sources_are_refused_with_their_cause(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        load_task("gsm8k", path=tmp_path / "missing.jsonl")
+    useless = tmp_path / "useless.jsonl"
+    useless.write_text('{"text": "no question here"}\n{"question": "q", "answer": "no hashes"}\n')
+    with pytest.raises(DataError, match="no usable rows"):
+        load_task("gsm8k", path=useless)
+    garbled = tmp_path / "garbled.jsonl"
+    garbled.write_text("{not json\n")
+    with pytest.raises(DataError, match="cannot read"):
+        load_task("gsm8k", path=garbled)
+    with pytest.raises(DataError, match="unknown task 'gsm9k'"):
+        load_task("gsm9k")
+    with pytest.raises(DataError, match="level must be 1 to 5"):
+        load_task("arithmetic", level=6)
+
+
+def test_arithmetic_is_reproducible_and_harder_by_level():
+    assert arithmetic_problems(3, 50, seed=1) == arithmetic_problems(3, 50, seed=1)
+    assert arithmetic_problems(3, 50, seed=1) != arithmetic_problems(3, 50, seed=2)
+    sizes = [sum(len(q) for q, _ in arithmetic_problems(level, 200, 0)) for level in range(1, 6)]
+    assert sizes == sorted(sizes)
+    task = load_task("arithmetic", level=2, size=64, seed=0)
+    assert len(task) == 64 and all(a.lstrip("-").isdigit() for a in task["answer"])
