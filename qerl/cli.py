@@ -51,6 +51,30 @@ def _bench(args: argparse.Namespace) -> None:
     importlib.import_module(BENCHMARKS[args.what]).main(args.args)
 
 
+def _set(pairs: list[str]) -> dict:
+    """KEY.PATH=VALUE overrides as a nested dict (values parsed as YAML scalars)."""
+    import yaml
+
+    out: dict = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise QerlError(f"--set takes KEY=VALUE (e.g. train.max_steps=10), got {pair!r}")
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    return out
+
+
+def _train(args: argparse.Namespace) -> None:
+    from qerl.config import load_config
+    from qerl.rl.run import train
+
+    train(load_config(args.config, _set(args.set)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qerl", description=__doc__)
     verbs = parser.add_subparsers(dest="verb", required=True)
@@ -74,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "instead of keeping it in BF16")
     q.add_argument("--quiet", action="store_true", help="no progress bar")
     q.set_defaults(run=_quantize)
+
+    t = verbs.add_parser(
+        "train", help="GRPO/DAPO training from a YAML config (resumes if interrupted)",
+        description="Train as the config says; rerun the same command after an interruption "
+                    "to continue from the last checkpoint in output_dir.")
+    t.add_argument("--config", required=True, help="YAML file (see workflows/config/)")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a setting, e.g. --set train.max_steps=10 (repeatable)")
+    t.set_defaults(run=_train)
 
     b = verbs.add_parser("bench", help="run a benchmark; results go to results/bench/",
                          description="Benchmarks write CSV under results/bench/; "

@@ -338,6 +338,11 @@ def _to_nf4(model: nn.Module, device: torch.device) -> None:
         except (RuntimeError, NotImplementedError, ValueError) as e:
             raise PolicyError(f"bitsandbytes {bnb.__version__} cannot quantize NF4 on "
                               f"{device}: {e}") from e
+        # On CPUs with AVX512-BF16, bitsandbytes repacks the weight the first time the
+        # layer runs in eval mode (a rollout) and keeps its inference path afterwards,
+        # which then fails in training (0.50: the bias is added in place on a tensor that
+        # needs grad). The policy alternates the two, so it stays on the training path.
+        layer.support_avx512bf16_for_cpu = False
         _set_module(model, name, layer)
 
 

@@ -1,0 +1,169 @@
+"""The training configuration: a YAML file checked in full before any work starts.
+
+Unknown keys, wrong types and impossible combinations are refused with the key's path
+(``rl.num_generations: ...``). Defaults are the original's DAPO-style GSM8K run
+(DESIGN: beta 0, epsilon 0.2 / 0.28, token-level loss, truncated completions masked,
+LoRA r16, lr 1e-5, AdamW betas (0.9, 0.99), weight decay 0.1, warmup 0.1, cosine, grad
+clip 0.2).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from qerl.errors import QerlError
+
+
+class ConfigError(QerlError):
+    """A configuration file that cannot be used as written."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LoraSection(Section):
+    rank: int = Field(16, ge=1)
+    alpha: float = Field(16, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    train_norms: bool = False
+
+
+class AQNSection(Section):
+    enabled: bool | None = None  # None: on for qerl, off for the baselines
+    sigma_start: float = Field(1e-2, gt=0)
+    sigma_end: float = Field(1e-4, gt=0)
+    num_stages: int = Field(10, ge=2)
+    rollout_only: bool = False
+
+
+class DataSection(Section):
+    task: str = "gsm8k"
+    path: Path | None = None
+    split: str = "train"
+    limit: int | None = Field(None, ge=1)
+    level: int = Field(1, ge=1, le=5)  # arithmetic only
+    size: int = Field(1024, ge=1)  # arithmetic only
+
+
+class OverlongSection(Section):
+    """DAPO's soft overlong punishment: 0 up to max_completion_length - buffer, then a
+    linear ramp to -penalty at max_completion_length."""
+
+    enabled: bool = False
+    buffer: int = Field(256, ge=1)
+    penalty: float = Field(1.0, ge=0)
+
+
+class RLSection(Section):
+    loss_type: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
+    beta: float = Field(0.0, ge=0)
+    epsilon: float = Field(0.2, gt=0)
+    epsilon_high: float = Field(0.28, gt=0)
+    num_iterations: int = Field(1, ge=1)
+    num_generations: int = Field(8, ge=2)
+    mask_truncated_completions: bool = True
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    max_prompt_length: int = Field(256, ge=1)
+    max_completion_length: int = Field(2048, ge=1)
+    dynamic_sampling: bool = False
+    max_refills: int = Field(3, ge=0)
+    overlong: OverlongSection = OverlongSection()
+    rewards: dict[Literal["accuracy", "format"], float] = {"accuracy": 1.0, "format": 0.1}
+
+
+class TrainSection(Section):
+    max_steps: int = Field(100, ge=1)
+    batch_size: int = Field(16, ge=1)  # completions per device per optimizer micro-step
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    learning_rate: float = Field(1e-5, gt=0)
+    optimizer: Literal["adamw_torch", "adamw_8bit"] = "adamw_torch"
+    weight_decay: float = Field(0.1, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.99, ge=0, lt=1)
+    warmup_ratio: float = Field(0.1, ge=0, lt=1)  # of max_steps
+    lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = "cosine"
+    max_grad_norm: float = Field(0.2, gt=0)
+    gradient_checkpointing: bool = False
+    save_steps: int = Field(10, ge=1)
+    logging_steps: int = Field(1, ge=1)
+    report_to: list[Literal["tensorboard", "wandb"]] = ["tensorboard"]
+
+
+class EngineSection(Section):
+    backend: Literal["embedded", "vllm"] = "embedded"
+    kv_budget_gb: float | None = Field(None, gt=0)
+
+
+class TrainConfig(Section):
+    model: str | None = None  # directory, hub id, .gguf, NVFP4 checkpoint
+    arch: str | None = None  # random weights of a known shape (benchmarks)
+    tokenizer: str | None = None  # where the tokenizer lives, if not with the model
+    method: Literal["qerl", "lora", "qlora", "full"] = "qerl"
+    output_dir: Path
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    lora: LoraSection = LoraSection()
+    aqn: AQNSection = AQNSection()
+    data: DataSection = DataSection()
+    rl: RLSection = RLSection()
+    train: TrainSection = TrainSection()
+    engine: EngineSection = EngineSection()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        if (self.model is None) == (self.arch is None):
+            raise ValueError("give exactly one of model and arch")
+        if self.train.batch_size % self.rl.num_generations:
+            raise ValueError(f"train.batch_size ({self.train.batch_size}) must be a multiple "
+                             f"of rl.num_generations ({self.rl.num_generations}): each "
+                             "prompt's completions are one group")
+        if self.aqn.sigma_end > self.aqn.sigma_start:
+            raise ValueError("aqn.sigma_end must not exceed aqn.sigma_start")
+        if self.rl.overlong.enabled and self.rl.overlong.buffer >= self.rl.max_completion_length:
+            raise ValueError("rl.overlong.buffer must be below rl.max_completion_length")
+        if self.method == "full" and self.aqn.enabled is True:
+            raise ValueError("AQN perturbs the norms of a quantized base; method full has "
+                             "none to model: set aqn.enabled false")
+        return self
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> TrainConfig:
+    """The checked configuration in ``path`` (YAML), with ``overrides`` (a nested dict)
+    applied on top."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of settings, not {type(raw).__name__}")
+    return parse_config(_merge(raw, overrides or {}), where=str(path))
+
+
+def parse_config(raw: dict, where: str = "config") -> TrainConfig:
+    try:
+        return TrainConfig.model_validate(raw)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or '(top level)'}: {err['msg']}"
+            + (f" (got {err['input']!r})" if err["type"] != "missing"
+               and not isinstance(err["input"], dict) else "")
+            for err in e.errors())
+        raise ConfigError(f"{where}: {problems}") from None
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = (_merge(out[key], value) if isinstance(value, dict)
+                    and isinstance(out.get(key), dict) else value)
+    return out

@@ -1,0 +1,132 @@
+"""``qerl train --config FILE.yaml``: build the policy, the task and the trainer from a
+checked configuration, resume from the newest complete checkpoint in ``output_dir`` if
+there is one, train, and save the result.
+
+    output_dir/
+      checkpoint-N/      transformers/TRL checkpoints (adapter, optimizer, scheduler, RNG,
+                         trainer_state.json written last: a checkpoint without it is
+                         incomplete and skipped)
+      metrics.csv        one row per logged step: TRL's metrics and ours (the report reads it)
+      tokenizer/         the tokenizer the run used
+      final/             the trained adapter (LoRA methods) or model (full)
+      config.yaml        the configuration as checked
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import yaml
+from transformers import AutoTokenizer, TrainerCallback, set_seed
+
+from qerl.config import ConfigError, TrainConfig
+from qerl.noise import AQNSettings
+from qerl.policy import LoraSettings, build_policy
+from qerl.rl.data import load_task
+
+METRICS = "metrics.csv"
+
+
+def last_checkpoint(output_dir: Path) -> Path | None:
+    """The newest checkpoint-N whose trainer_state.json exists (written last)."""
+    done = [p for p in output_dir.glob("checkpoint-*")
+            if p.name.split("-")[-1].isdigit() and (p / "trainer_state.json").is_file()]
+    return max(done, key=lambda p: int(p.name.split("-")[-1]), default=None)
+
+
+class MetricsCSV(TrainerCallback):
+    """Every log row to ``metrics.csv``; on resume, rows past the checkpoint's step (logged
+    before an interruption, about to be redone) are dropped."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.rows: list[dict] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        import pandas as pd
+
+        if self.path.is_file() and state.global_step > 0:
+            old = pd.read_csv(self.path)
+            self.rows = old[old.step <= state.global_step].to_dict("records")
+        else:
+            self.rows = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        import pandas as pd
+
+        if not logs or "train_runtime" in logs:
+            return
+        self.rows.append({"step": state.global_step, **logs})
+        tmp = self.path.with_suffix(".tmp")
+        pd.DataFrame(self.rows).to_csv(tmp, index=False)
+        tmp.replace(self.path)
+
+
+def _device(config: TrainConfig) -> str:
+    if config.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: cuda was asked for, but no CUDA GPU is available")
+    return config.device
+
+
+def _tokenizer(config: TrainConfig, policy, directory: Path):
+    if config.tokenizer is not None:
+        source = config.tokenizer
+    elif policy.save_extras is not None:
+        directory.mkdir(parents=True, exist_ok=True)
+        policy.save_extras(directory)
+        source = directory
+    else:
+        raise ConfigError("the model has no tokenizer (random weights): set tokenizer: to a "
+                          "directory or hub id holding one")
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if not tokenizer.chat_template:
+        raise ConfigError(f"the tokenizer from {source} has no chat template; prompts are "
+                          "conversations: use an instruct model's tokenizer")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_trainer(config: TrainConfig, callbacks: list | None = None):
+    """The policy, tokenizer, task and trainer of ``config`` (nothing trained yet)."""
+    from qerl.rl.trainer import QerlGRPOTrainer
+
+    set_seed(config.seed)
+    aqn_on = config.aqn.enabled if config.aqn.enabled is not None else config.method == "qerl"
+    aqn = None
+    if aqn_on:
+        a = config.aqn
+        aqn = AQNSettings(sigma_start=a.sigma_start, sigma_end=a.sigma_end,
+                          num_stages=a.num_stages, rollout_only=a.rollout_only,
+                          seed=config.seed)
+    lora = LoraSettings(rank=config.lora.rank, alpha=config.lora.alpha,
+                        dropout=config.lora.dropout, train_norms=config.lora.train_norms)
+    data = config.data
+    task = load_task(data.task, path=data.path, split=data.split, limit=data.limit,
+                     level=data.level, size=data.size, seed=config.seed)
+    policy = build_policy(config.method, config.model, arch=config.arch, seed=config.seed,
+                          lora=lora, aqn=aqn, total_steps=config.train.max_steps,
+                          device=_device(config))
+    config.output_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tokenizer(config, policy, config.output_dir / "tokenizer")
+    return QerlGRPOTrainer(policy, config, tokenizer, task,
+                           callbacks=[MetricsCSV(config.output_dir / METRICS),
+                                      *(callbacks or [])])
+
+
+def train(config: TrainConfig, callbacks: list | None = None):
+    """Train (resuming if ``output_dir`` holds a checkpoint); return the trainer."""
+    trainer = build_trainer(config, callbacks)
+    (config.output_dir / "config.yaml").write_text(
+        yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    resume = last_checkpoint(config.output_dir)
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    final = config.output_dir / "final"
+    if trainer.policy.lora is not None:
+        trainer.policy.save_adapter(final)
+    else:
+        trainer.policy.model.save_pretrained(final)
+    return trainer

@@ -1,0 +1,163 @@
+"""GRPO/DAPO training on TRL's GRPOTrainer, with rollouts from the embedded engine.
+
+TRL owns the loss and its bookkeeping (grpo | dapo | dr_grpo, epsilon/epsilon_high, beta,
+num_iterations, mask_truncated_completions, the metrics); this subclass changes only what
+the paper needs and TRL lacks:
+
+- generation goes to ``qerl.rollout.Engine`` on the live policy (TRL's extension point
+  ``_generate_single_turn``): NVFP4 kernels, unmerged LoRA and AQN's noise, no weight sync;
+- AQN: ``perturb(step)`` before the step's first micro-batch (its rollouts sample from the
+  noised model), ``restore()`` before the optimizer step (or right after the rollouts,
+  with ``aqn.rollout_only``);
+- DAPO's overlong reward shaping (a reward function) and dynamic sampling (groups whose
+  rewards all agree carry no signal: they are replaced by fresh prompts' groups);
+- metrics TRL does not log: AQN sigma, rollout tokens/s, peak GPU memory.
+
+Every random draw of a step is seeded from (seed, step): rollouts, AQN noise, refills. So
+a run resumed from a checkpoint (TRL/transformers restore the optimizer, scheduler, data
+order and RNG states) continues as the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from qerl.config import TrainConfig
+from qerl.rl.rewards import REWARDS, checked
+from qerl.rollout import Engine, SamplingParams
+
+
+def overlong_reward(max_len: int, buffer: int, penalty: float):
+    """DAPO's soft overlong punishment of a completion of L tokens: 0 while
+    L <= max_len - buffer, then falling linearly to -penalty at L = max_len."""
+
+    def overlong_reward(completions, completion_ids, **_) -> list[float]:
+        start = max_len - buffer
+        return [-penalty * min(1.0, max(0, len(ids) - start) / buffer) for ids in completion_ids]
+
+    return overlong_reward
+
+
+def grpo_args(config: TrainConfig, use_cpu: bool) -> GRPOConfig:
+    rl, train = config.rl, config.train
+    return GRPOConfig(
+        output_dir=str(config.output_dir), seed=config.seed, data_seed=config.seed,
+        max_steps=train.max_steps, per_device_train_batch_size=train.batch_size,
+        gradient_accumulation_steps=train.gradient_accumulation_steps,
+        learning_rate=train.learning_rate, optim=train.optimizer,
+        weight_decay=train.weight_decay, adam_beta1=train.adam_beta1,
+        adam_beta2=train.adam_beta2, warmup_steps=train.warmup_ratio,
+        lr_scheduler_type=train.lr_scheduler, max_grad_norm=train.max_grad_norm,
+        gradient_checkpointing=train.gradient_checkpointing,
+        save_strategy="steps", save_steps=train.save_steps, logging_steps=train.logging_steps,
+        report_to=list(train.report_to), use_cpu=use_cpu, bf16=not use_cpu,
+        loss_type=rl.loss_type, beta=rl.beta, epsilon=rl.epsilon,
+        epsilon_high=rl.epsilon_high, num_iterations=rl.num_iterations,
+        num_generations=rl.num_generations,
+        mask_truncated_completions=rl.mask_truncated_completions,
+        temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k or None,
+        max_completion_length=rl.max_completion_length,
+        reward_weights=[*rl.rewards.values(), *([1.0] if rl.overlong.enabled else [])],
+    )
+
+
+class _RestoreNoise(TrainerCallback):
+    """AQN's noise comes off before the optimizer updates the weights."""
+
+    def __init__(self, trainer: QerlGRPOTrainer):
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.trainer.policy.aqn is not None:
+            self.trainer.policy.aqn.restore()
+
+
+class QerlGRPOTrainer(GRPOTrainer):
+    def __init__(self, policy, config: TrainConfig, tokenizer, train_dataset,
+                 callbacks: list | None = None):
+        self.policy, self.qerl_config = policy, config
+        rl = config.rl
+        rewards = [checked(REWARDS[name]) for name in rl.rewards]
+        if rl.overlong.enabled:
+            rewards.append(checked(overlong_reward(rl.max_completion_length,
+                                                   rl.overlong.buffer, rl.overlong.penalty)))
+        device = next(policy.model.parameters()).device
+        super().__init__(model=policy.model, reward_funcs=rewards,
+                         args=grpo_args(config, use_cpu=device.type != "cuda"),
+                         train_dataset=train_dataset, processing_class=tokenizer,
+                         callbacks=[*(callbacks or [])])
+        self.add_callback(_RestoreNoise(self))
+        self._engine: Engine | None = None
+        self._rollout_calls = (-1, 0)  # (step, rollouts sampled in it)
+
+    # Rollouts ---------------------------------------------------------------------
+
+    def _engine_for(self, batch: int) -> Engine:
+        rl = self.qerl_config.rl
+        if self._engine is None or batch > self._engine.max_batch:
+            budget = self.qerl_config.engine.kv_budget_gb
+            self._engine = Engine(self.policy, max_batch=batch,
+                                  max_seq_len=rl.max_prompt_length + rl.max_completion_length,
+                                  kv_budget_bytes=None if budget is None else int(budget * 1e9))
+        return self._engine
+
+    def _rollout_seed(self) -> int:
+        """A seed from (seed, step, process, n-th rollout of the step): never from a
+        counter a resumed run would not have."""
+        step = self.state.global_step
+        calls = self._rollout_calls[1] + 1 if self._rollout_calls[0] == step else 0
+        self._rollout_calls = (step, calls)
+        rank = self.accelerator.process_index
+        return (((self.qerl_config.seed * 1_000_003 + step) * 1_009 + rank) * 101
+                + calls) % (1 << 62)
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
+                              has_tool_images=False):
+        rl = self.qerl_config.rl
+        # DAPO's filter keeps the prompt whole: a prompt over the limit keeps its end.
+        prompt_ids = [ids[-rl.max_prompt_length:] for ids in prompt_ids]
+        params = SamplingParams(max_new_tokens=rl.max_completion_length,
+                                temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
+                                stop_token_ids=tuple(self.eos_token_ids),
+                                seed=self._rollout_seed())
+        engine = self._engine_for(len(prompt_ids))
+        if self.accelerator.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = engine.generate(prompt_ids, params)
+        seconds = time.perf_counter() - start
+        tokens = sum(map(len, out.tokens))
+        self._metrics["train"]["rollout/tokens_per_s"].append(tokens / max(seconds, 1e-9))
+        return out.tokens, out.logprobs
+
+    # AQN ----------------------------------------------------------------------------
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        aqn = self.policy.aqn
+        if aqn is not None and not aqn.settings.rollout_only and not aqn.perturbed:
+            aqn.perturb(self.state.global_step)
+        if aqn is not None:
+            self._metrics["train"]["aqn/sigma"].append(
+                aqn.settings.sigma(aqn.settings.stage(self.state.global_step,
+                                                      aqn.total_steps)))
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if torch.cuda.is_available():
+            self._metrics["train"]["memory/peak_gb"].append(
+                torch.cuda.max_memory_allocated() / 1e9)
+        return loss
+
+    def _generate_and_score_completions(self, inputs):
+        aqn = self.policy.aqn
+        if aqn is not None and aqn.settings.rollout_only:
+            aqn.perturb(self.state.global_step)
+            try:
+                return super()._generate_and_score_completions(inputs)
+            finally:
+                aqn.restore()
+        return super()._generate_and_score_completions(inputs)

@@ -1,0 +1,128 @@
+"""`qerl train` on a tiny random model, on CPU: every method runs its steps, an
+interrupted run resumed by rerunning the same command logs what the uninterrupted run
+logs, and bad configurations are refused before any work."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+from transformers import TrainerCallback
+
+from qerl.cli import main as cli
+from qerl.config import ConfigError, load_config, parse_config
+from qerl.rl.run import METRICS, last_checkpoint, train
+from qerl.rl.trainer import overlong_reward
+from tests.conftest import require, save_tiny_model, tiny_tokenizer
+
+CHAT = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}w1{% endif %}")
+# Metrics that depend on the clock, not on the run's numbers.
+TIMING = ("step_time", "rollout/tokens_per_s", "train_runtime")
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chat-model")
+    save_tiny_model(path, intermediate=192, hard_values=False)  # bitsandbytes' CPU: K % 64
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHAT
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def settings(model, out, method="qerl", **train) -> dict:
+    return {
+        "model": str(model), "method": method, "output_dir": str(out), "seed": 3,
+        "lora": {"rank": 4, "alpha": 8},
+        "data": {"task": "arithmetic", "level": 1, "size": 32},
+        "rl": {"num_generations": 2, "max_prompt_length": 48, "max_completion_length": 6,
+               "overlong": {"enabled": True, "buffer": 3}},
+        "train": {"max_steps": 2, "batch_size": 4, "learning_rate": 1e-3, "save_steps": 2,
+                  "report_to": [], **train},
+    }
+
+
+def run(raw: dict, callbacks=None):
+    return train(parse_config(raw), callbacks)
+
+
+@pytest.mark.parametrize("method", ["qerl", "lora", "qlora", "full"])
+def test_each_method_trains(chat_model, tmp_path, method):
+    if method == "qlora":
+        require("bitsandbytes")
+    trainer = run(settings(chat_model, tmp_path, method))
+    metrics = pd.read_csv(tmp_path / METRICS)
+    assert list(metrics.step) == [1, 2]
+    for column in ("loss", "reward", "entropy", "rollout/tokens_per_s",
+                   "rewards/overlong_reward/mean", "rewards/accuracy_reward/mean"):
+        assert metrics[column].notna().all(), column
+    assert ("aqn/sigma" in metrics) == (method == "qerl")
+    assert trainer.state.global_step == 2
+    final = tmp_path / "final"
+    assert (final / ("model.safetensors" if method == "full" else "adapter_config.json")).is_file()
+    assert last_checkpoint(tmp_path).name == "checkpoint-2"
+
+
+class Interrupt(TrainerCallback):
+    """Dies in the middle of a step, after the checkpoint before it was written."""
+
+    def __init__(self, at_step: int):
+        self.at_step = at_step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.at_step:
+            raise KeyboardInterrupt
+
+
+def test_an_interrupted_run_resumes_exactly(chat_model, tmp_path):
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    run(settings(chat_model, whole, max_steps=4))
+    with pytest.raises(KeyboardInterrupt):
+        run(settings(chat_model, broken, max_steps=4), [Interrupt(at_step=3)])
+    assert last_checkpoint(broken).name == "checkpoint-2"
+    run(settings(chat_model, broken, max_steps=4))  # the same command again
+    a, b = (pd.read_csv(d / METRICS).drop(columns=list(TIMING), errors="ignore")
+            for d in (whole, broken))
+    assert list(b.step) == [1, 2, 3, 4]
+    pd.testing.assert_frame_equal(a, b)
+
+
+def test_the_cli_trains_from_a_yaml_file(chat_model, tmp_path):
+    import yaml
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(settings(chat_model, tmp_path / "out", "lora")))
+    assert cli(["train", "--config", str(path), "--set", "train.max_steps=1",
+                "--set", "train.save_steps=1", "--set", "train.report_to=[tensorboard]"]) == 0
+    assert list(pd.read_csv(tmp_path / "out" / METRICS).step) == [1]
+    assert list((tmp_path / "out").rglob("events.out.tfevents.*"))  # TensorBoard
+    assert cli(["train", "--config", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_bad_configs_name_the_key(chat_model, tmp_path):
+    good = settings(chat_model, tmp_path)
+    cases = [
+        ({**good, "lr": 1e-5}, "lr: Extra inputs are not permitted"),
+        ({**good, "rl": {**good["rl"], "num_generations": "many"}}, "rl.num_generations"),
+        ({**good, "train": {**good["train"], "batch_size": 5}}, "multiple of rl.num_generations"),
+        ({**good, "method": "qat"}, "method"),
+        ({**good, "arch": "qwen2.5-7b"}, "exactly one of model and arch"),
+    ]
+    for raw, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            parse_config(raw)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="has no chat template"):
+        run({**good, "tokenizer": None, "model": str(save_model_without_chat(tmp_path))})
+
+
+def save_model_without_chat(tmp_path):
+    path = tmp_path / "plain"
+    save_tiny_model(path, hard_values=False)
+    return path
+
+
+def test_overlong_reward_ramps_to_the_penalty():
+    reward = overlong_reward(max_len=10, buffer=4, penalty=1.0)
+    assert reward(None, [[0] * n for n in (3, 6, 8, 10)]) == [0.0, 0.0, -0.5, -1.0]
