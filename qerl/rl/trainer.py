@@ -26,7 +26,7 @@ import torch
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from qerl.config import TrainConfig
+from qerl.config import ConfigError, TrainConfig
 from qerl.rl.rewards import REWARDS, checked
 from qerl.rollout import Engine, SamplingParams
 
@@ -90,6 +90,10 @@ class QerlGRPOTrainer(GRPOTrainer):
                          args=grpo_args(config, use_cpu=device.type != "cuda"),
                          train_dataset=train_dataset, processing_class=tokenizer,
                          callbacks=[*(callbacks or [])])
+        if rl.dynamic_sampling and self.accelerator.num_processes > 1:
+            raise ConfigError("rl.dynamic_sampling runs on one process for now (refills "
+                              "would have to agree across processes); turn it off for "
+                              "multi-GPU runs")
         self.add_callback(_RestoreNoise(self))
         self._engine: Engine | None = None
         self._rollout_calls = (-1, 0)  # (step, rollouts sampled in it)
@@ -152,7 +156,9 @@ class QerlGRPOTrainer(GRPOTrainer):
                 torch.cuda.max_memory_allocated() / 1e9)
         return loss
 
-    def _generate_and_score_completions(self, inputs):
+    def _score(self, inputs):
+        """TRL's generate-and-score of ``inputs`` (with AQN's noise around it alone, in
+        rollout_only mode)."""
         aqn = self.policy.aqn
         if aqn is not None and aqn.settings.rollout_only:
             aqn.perturb(self.state.global_step)
@@ -161,3 +167,72 @@ class QerlGRPOTrainer(GRPOTrainer):
             finally:
                 aqn.restore()
         return super()._generate_and_score_completions(inputs)
+
+    # DAPO dynamic sampling ------------------------------------------------------------
+
+    def _generate_and_score_completions(self, inputs):
+        batch = self._score(inputs)
+        if not self.qerl_config.rl.dynamic_sampling:
+            return batch
+        size = self.num_generations
+        wanted = len(inputs) // size
+        parts = [_groups(batch, informative(batch["advantages"], size), size)]
+        spare = _groups(batch, ~informative(batch["advantages"], size), size)
+        have, refills = _count(parts[0], size), 0
+        while have < wanted and refills < self.qerl_config.rl.max_refills:
+            refills += 1
+            more = self._score(self._fresh_prompts(wanted - have, refills))
+            parts.append(_groups(more, informative(more["advantages"], size), size))
+            have += _count(parts[-1], size)
+        self._metrics["train"]["dynamic_sampling/refills"].append(refills)
+        self._metrics["train"]["dynamic_sampling/informative_frac"].append(
+            min(have, wanted) / wanted)
+        if have < wanted:  # out of refills: groups without signal fill up (no gradient)
+            parts.append(spare)
+        return _concat(parts, wanted * size)
+
+    def _fresh_prompts(self, groups: int, refill: int) -> list[dict]:
+        """``groups`` dataset rows, each repeated num_generations times, drawn with a seed
+        of (seed, step, refill) so that a resumed run draws the same."""
+        gen = torch.Generator().manual_seed(
+            (self.qerl_config.seed * 1_000_003 + self.state.global_step) * 31 + refill)
+        rows = torch.randint(len(self.train_dataset), (groups,), generator=gen).tolist()
+        return [self.train_dataset[i] for i in rows for _ in range(self.num_generations)]
+
+
+def informative(advantages: torch.Tensor, size: int) -> torch.Tensor:
+    """Per group of ``size`` completions: whether any advantage is non-zero (rewards
+    that all agree give every completion advantage 0, hence no gradient)."""
+    return advantages.view(-1, size).abs().sum(1) > 0
+
+
+def _count(batch: dict, size: int) -> int:
+    return batch["advantages"].shape[0] // size
+
+
+def _groups(batch: dict, keep: torch.Tensor, size: int) -> dict:
+    rows = keep.repeat_interleave(size)
+    return {k: v[rows] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == len(rows)
+            else v for k, v in batch.items()}
+
+
+# Per-row tensors of a scored batch: prompts are left-padded, completions right-padded.
+LEFT_PADDED = ("prompt_ids", "prompt_mask")
+
+
+def _concat(parts: list[dict], rows: int) -> dict:
+    """The first ``rows`` rows of the scored batches ``parts``, padded to common widths;
+    num_items_in_batch recounted."""
+    keys = [k for k, v in parts[0].items() if isinstance(v, torch.Tensor) and v.dim()]
+    out = dict(parts[0])
+    for key in keys:
+        tensors = [p[key] for p in parts if p[key].shape[0]]
+        if tensors[0].dim() == 2:
+            width = max(t.shape[1] for t in tensors)
+            left = key in LEFT_PADDED
+            tensors = [torch.nn.functional.pad(t, (width - t.shape[1], 0) if left
+                                               else (0, width - t.shape[1]))
+                       for t in tensors]
+        out[key] = torch.cat(tensors)[:rows]
+    out["num_items_in_batch"] = out["completion_mask"].sum()
+    return out

@@ -126,3 +126,65 @@ def save_model_without_chat(tmp_path):
 def test_overlong_reward_ramps_to_the_penalty():
     reward = overlong_reward(max_len=10, buffer=4, penalty=1.0)
     assert reward(None, [[0] * n for n in (3, 6, 8, 10)]) == [0.0, 0.0, -0.5, -1.0]
+
+
+def test_dynamic_sampling_replaces_groups_without_signal(chat_model, tmp_path, monkeypatch):
+    """A reward that splits some groups and not others: the trained batches hold only
+    groups whose rewards differ, refilled from fresh prompts."""
+    import zlib
+
+    from qerl.rl import trainer as trainer_module
+
+    def coin(completions, **_):
+        return [float(zlib.crc32(str(c).encode()) % 3 == 0) for c in completions]
+
+    monkeypatch.setitem(trainer_module.REWARDS, "format", coin)
+    seen = []
+    real = trainer_module.QerlGRPOTrainer._generate_and_score_completions
+
+    def spy(self, inputs):
+        batch = real(self, inputs)
+        seen.append(trainer_module.informative(batch["advantages"], self.num_generations))
+        return batch
+
+    monkeypatch.setattr(trainer_module.QerlGRPOTrainer, "_generate_and_score_completions", spy)
+    raw = settings(chat_model, tmp_path, "lora", max_steps=3)
+    raw["rl"] = {**raw["rl"], "dynamic_sampling": True, "max_refills": 8,
+                 "rewards": {"format": 1.0}, "overlong": {"enabled": False}}
+    run(raw)
+    metrics = pd.read_csv(tmp_path / METRICS)
+    assert (metrics["dynamic_sampling/informative_frac"] == 1.0).all()
+    assert metrics["dynamic_sampling/refills"].sum() > 0  # some batches needed refills
+    assert len(seen) == 3 and all(bool(keep.all()) for keep in seen)
+
+
+def test_concat_pads_prompts_left_and_completions_right():
+    import torch
+
+    from qerl.rl.trainer import _concat, _groups, informative
+
+    def batch(width, adv):
+        rows = len(adv)
+        return {"prompt_ids": torch.ones(rows, width, dtype=torch.long),
+                "prompt_mask": torch.ones(rows, width, dtype=torch.long),
+                "completion_ids": torch.full((rows, width + 1), 7),
+                "completion_mask": torch.ones(rows, width + 1, dtype=torch.long),
+                "advantages": torch.tensor(adv), "num_items_in_batch": torch.tensor(0)}
+
+    a, b = batch(2, [0.0, 0.0, 1.0, -1.0]), batch(3, [0.5, -0.5, 0.0, 0.0])
+    keep_a, keep_b = informative(a["advantages"], 2), informative(b["advantages"], 2)
+    assert keep_a.tolist() == [False, True] and keep_b.tolist() == [True, False]
+    out = _concat([_groups(a, keep_a, 2), _groups(b, keep_b, 2)], 4)
+    assert out["advantages"].tolist() == [1.0, -1.0, 0.5, -0.5]
+    assert out["prompt_mask"].tolist()[0] == [0, 1, 1] and out["prompt_mask"].tolist()[2] == [1] * 3
+    assert out["completion_mask"].tolist()[0] == [1, 1, 1, 0]
+    assert out["num_items_in_batch"].item() == 3 + 3 + 4 + 4
+
+
+def test_shipped_configs_are_valid():
+    from pathlib import Path
+
+    files = sorted(Path("workflows/config").glob("train_*.yaml"))
+    assert files
+    for path in files:
+        load_config(path)
