@@ -90,6 +90,22 @@ def _tokenizer(config: TrainConfig, policy, directory: Path):
     return tokenizer
 
 
+def fitting_prompts(task, tokenizer, max_tokens: int):
+    """The rows of ``task`` whose prompt, rendered by the chat template, fits
+    ``max_tokens`` (DAPO drops the others rather than cutting a question short)."""
+    texts = tokenizer.apply_chat_template(list(task["prompt"]), tokenize=False,
+                                          add_generation_prompt=True)
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    keep = [i for i, n in enumerate(lengths) if n <= max_tokens]
+    if not keep:
+        raise ConfigError(f"no prompt of the task fits rl.max_prompt_length={max_tokens} "
+                          f"tokens (the shortest has {min(lengths)})")
+    if len(keep) < len(task):
+        print(f"qerl train: {len(task) - len(keep)} of {len(task)} prompts are longer than "
+              f"rl.max_prompt_length={max_tokens} tokens and are left out")
+    return task.select(keep)
+
+
 def build_trainer(config: TrainConfig, callbacks: list | None = None):
     """The policy, tokenizer, task and trainer of ``config`` (nothing trained yet)."""
     from qerl.rl.trainer import QerlGRPOTrainer
@@ -112,6 +128,7 @@ def build_trainer(config: TrainConfig, callbacks: list | None = None):
                           device=_device(config))
     config.output_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = _tokenizer(config, policy, config.output_dir / "tokenizer")
+    task = fitting_prompts(task, tokenizer, config.rl.max_prompt_length)
     return QerlGRPOTrainer(policy, config, tokenizer, task,
                            callbacks=[MetricsCSV(config.output_dir / METRICS),
                                       *(callbacks or [])])

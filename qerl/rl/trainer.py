@@ -122,8 +122,10 @@ class QerlGRPOTrainer(GRPOTrainer):
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
                               has_tool_images=False):
         rl = self.qerl_config.rl
-        # DAPO's filter keeps the prompt whole: a prompt over the limit keeps its end.
-        prompt_ids = [ids[-rl.max_prompt_length:] for ids in prompt_ids]
+        longest = max(map(len, prompt_ids))
+        if longest > rl.max_prompt_length:  # run.fitting_prompts filtered the task
+            raise RuntimeError(f"a prompt of {longest} tokens reached the rollout; "
+                               f"rl.max_prompt_length is {rl.max_prompt_length}")
         params = SamplingParams(max_new_tokens=rl.max_completion_length,
                                 temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
                                 stop_token_ids=tuple(self.eos_token_ids),

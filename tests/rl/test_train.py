@@ -188,3 +188,19 @@ def test_shipped_configs_are_valid():
     assert files
     for path in files:
         load_config(path)
+
+
+def test_prompts_over_the_limit_are_left_out(chat_model, tmp_path):
+    from qerl.rl.data import load_task
+    from qerl.rl.run import fitting_prompts
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHAT
+    task = load_task("gsm8k", path="tests/data/gsm8k_train_head200.jsonl")
+    lengths = [len(tokenizer.apply_chat_template(p, tokenize=False).split()) for p in
+               task["prompt"]]
+    limit = sorted(lengths)[len(lengths) // 2]
+    kept = fitting_prompts(task, tokenizer, limit + 1)
+    assert 0 < len(kept) < len(task)
+    with pytest.raises(ConfigError, match="no prompt of the task fits"):
+        fitting_prompts(task, tokenizer, 2)
