@@ -55,7 +55,7 @@ class MetricsCSV(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         import pandas as pd
 
-        if not logs or "train_runtime" in logs:
+        if not logs or "train_runtime" in logs or not state.is_world_process_zero:
             return
         self.rows.append({"step": state.global_step, **logs})
         tmp = self.path.with_suffix(".tmp")
@@ -71,17 +71,31 @@ def _device(config: TrainConfig) -> str:
     return config.device
 
 
-def _tokenizer(config: TrainConfig, policy, directory: Path):
+def _process_device(device: str) -> str:
+    """This process's device: under a multi-GPU launch, its own GPU."""
+    import os
+
+    if device == "cuda" and "LOCAL_RANK" in os.environ:
+        return f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    return device
+
+
+def _tokenizer(config: TrainConfig, policy, directory: Path, cpu: bool):
+    from accelerate import PartialState
+
     if config.tokenizer is not None:
         source = config.tokenizer
     elif policy.save_extras is not None:
-        directory.mkdir(parents=True, exist_ok=True)
-        policy.save_extras(directory)
         source = directory
     else:
         raise ConfigError("the model has no tokenizer (random weights): set tokenizer: to a "
                           "directory or hub id holding one")
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    state = PartialState(cpu=cpu)
+    with state.main_process_first():  # one process writes, the others read after it
+        if source == directory and state.is_main_process:
+            directory.mkdir(parents=True, exist_ok=True)
+            policy.save_extras(directory)
+        tokenizer = AutoTokenizer.from_pretrained(source)
     if not tokenizer.chat_template:
         raise ConfigError(f"the tokenizer from {source} has no chat template; prompts are "
                           "conversations: use an instruct model's tokenizer")
@@ -123,11 +137,12 @@ def build_trainer(config: TrainConfig, callbacks: list | None = None):
     data = config.data
     task = load_task(data.task, path=data.path, split=data.split, limit=data.limit,
                      level=data.level, size=data.size, seed=config.seed)
+    device = _device(config)
     policy = build_policy(config.method, config.model, arch=config.arch, seed=config.seed,
                           lora=lora, aqn=aqn, total_steps=config.train.max_steps,
-                          device=_device(config))
+                          device=_process_device(device))
     config.output_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = _tokenizer(config, policy, config.output_dir / "tokenizer")
+    tokenizer = _tokenizer(config, policy, config.output_dir / "tokenizer", device == "cpu")
     task = fitting_prompts(task, tokenizer, config.rl.max_prompt_length)
     return QerlGRPOTrainer(policy, config, tokenizer, task,
                            callbacks=[MetricsCSV(config.output_dir / METRICS),
@@ -137,13 +152,16 @@ def build_trainer(config: TrainConfig, callbacks: list | None = None):
 def train(config: TrainConfig, callbacks: list | None = None):
     """Train (resuming if ``output_dir`` holds a checkpoint); return the trainer."""
     trainer = build_trainer(config, callbacks)
-    (config.output_dir / "config.yaml").write_text(
-        yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    main = trainer.is_world_process_zero()
+    if main:
+        (config.output_dir / "config.yaml").write_text(
+            yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
     resume = last_checkpoint(config.output_dir)
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    final = config.output_dir / "final"
-    if trainer.policy.lora is not None:
-        trainer.policy.save_adapter(final)
-    else:
-        trainer.policy.model.save_pretrained(final)
+    if main:
+        final = config.output_dir / "final"
+        if trainer.policy.lora is not None:
+            trainer.policy.save_adapter(final)
+        else:
+            trainer.policy.model.save_pretrained(final)
     return trainer

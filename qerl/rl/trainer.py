@@ -55,6 +55,9 @@ def grpo_args(config: TrainConfig, use_cpu: bool) -> GRPOConfig:
         gradient_checkpointing=train.gradient_checkpointing,
         save_strategy="steps", save_steps=train.save_steps, logging_steps=train.logging_steps,
         report_to=list(train.report_to), use_cpu=use_cpu, bf16=not use_cpu,
+        # The frozen base's buffers (NVFP4 codes and fp8 scales) are identical on every
+        # process; DDP's broadcast of them is wasted, and gloo cannot send fp8.
+        ddp_broadcast_buffers=False,
         loss_type=rl.loss_type, beta=rl.beta, epsilon=rl.epsilon,
         epsilon_high=rl.epsilon_high, num_iterations=rl.num_iterations,
         num_generations=rl.num_generations,

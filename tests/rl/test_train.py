@@ -204,3 +204,27 @@ def test_prompts_over_the_limit_are_left_out(chat_model, tmp_path):
     assert 0 < len(kept) < len(task)
     with pytest.raises(ConfigError, match="no prompt of the task fits"):
         fitting_prompts(task, tokenizer, 2)
+
+
+def test_two_processes_train_data_parallel(chat_model, tmp_path):
+    """torchrun with two CPU processes (gloo): the path `accelerate launch`/torchrun take
+    on several GPUs — DDP over the LoRA parameters, one engine per process."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    path = tmp_path / "ddp.yaml"
+    path.write_text(yaml.safe_dump(settings(chat_model, tmp_path / "out", "qerl")))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                           "2", "-m", "qerl.cli", "train", "--config", str(path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = pd.read_csv(tmp_path / "out" / METRICS)
+    single = run(settings(chat_model, tmp_path / "single", "qerl"))
+    assert list(metrics.step) == [1, 2]
+    # Each step's tokens are counted over both processes' rollouts (about twice one's:
+    # completions may stop early at different lengths).
+    first = pd.read_csv(tmp_path / "single" / METRICS).num_tokens[0]
+    assert 1.5 * first < metrics.num_tokens[0] <= 2.5 * first
+    assert single.state.global_step == 2 and (tmp_path / "out" / "final").is_dir()
