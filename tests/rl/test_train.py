@@ -228,3 +228,18 @@ def test_two_processes_train_data_parallel(chat_model, tmp_path):
     first = pd.read_csv(tmp_path / "single" / METRICS).num_tokens[0]
     assert 1.5 * first < metrics.num_tokens[0] <= 2.5 * first
     assert single.state.global_step == 2 and (tmp_path / "out" / "final").is_dir()
+
+
+@pytest.mark.parametrize(("method", "rl"), [
+    ("lora", {"loss_type": "grpo", "beta": 0.04}),
+    ("full", {"loss_type": "grpo", "beta": 0.04}),
+    ("qerl", {"loss_type": "dr_grpo"}),
+    ("qerl", {"loss_type": "dapo", "num_iterations": 2, "mask_truncated_completions": False}),
+])
+def test_trl_loss_variants_run(chat_model, tmp_path, method, rl):
+    raw = settings(chat_model, tmp_path, method, max_steps=2)
+    raw["rl"] = {**raw["rl"], **rl}
+    metrics = pd.read_csv(tmp_path / METRICS) if run(raw) else None
+    assert list(metrics.step) == [1, 2] and metrics.loss.notna().all()
+    if rl.get("beta"):
+        assert "kl" in metrics and metrics.kl.notna().all()
