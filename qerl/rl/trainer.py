@@ -21,6 +21,7 @@ order and RNG states) continues as the uninterrupted run would have.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 from transformers import TrainerCallback
@@ -104,12 +105,20 @@ class QerlGRPOTrainer(GRPOTrainer):
     # Rollouts ---------------------------------------------------------------------
 
     def _engine_for(self, batch: int) -> Engine:
+        """An engine for ``batch`` sequences, or for as many as engine.kv_budget_gb holds
+        (the rollout then runs in chunks of that size)."""
         rl = self.qerl_config.rl
+        seq_len = rl.max_prompt_length + rl.max_completion_length
+        budget = self.qerl_config.engine.kv_budget_gb
+        if budget is not None:
+            dtype = self.policy.base_model.get_input_embeddings().weight.dtype
+            fits = Engine.max_batch_for(self.policy.config, int(budget * 1e9), seq_len, dtype)
+            if fits < 1:
+                raise ConfigError(f"engine.kv_budget_gb={budget} holds no sequence of "
+                                  f"{seq_len} tokens")
+            batch = min(batch, fits)
         if self._engine is None or batch > self._engine.max_batch:
-            budget = self.qerl_config.engine.kv_budget_gb
-            self._engine = Engine(self.policy, max_batch=batch,
-                                  max_seq_len=rl.max_prompt_length + rl.max_completion_length,
-                                  kv_budget_bytes=None if budget is None else int(budget * 1e9))
+            self._engine = Engine(self.policy, max_batch=batch, max_seq_len=seq_len)
         return self._engine
 
     def _rollout_seed(self) -> int:
@@ -137,11 +146,18 @@ class QerlGRPOTrainer(GRPOTrainer):
         if self.accelerator.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        out = engine.generate(prompt_ids, params)
+        tokens, logprobs = [], []
+        for first in range(0, len(prompt_ids), engine.max_batch):
+            chunk = prompt_ids[first:first + engine.max_batch]
+            # Each chunk its own seed: a chunk is a rollout call of its own.
+            out = engine.generate(chunk, replace(params, seed=self._rollout_seed())
+                                  if first else params)
+            tokens += out.tokens
+            logprobs += out.logprobs
         seconds = time.perf_counter() - start
-        tokens = sum(map(len, out.tokens))
-        self._metrics["train"]["rollout/tokens_per_s"].append(tokens / max(seconds, 1e-9))
-        return out.tokens, out.logprobs
+        self._metrics["train"]["rollout/tokens_per_s"].append(
+            sum(map(len, tokens)) / max(seconds, 1e-9))
+        return tokens, logprobs
 
     # AQN ----------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
+import torch
 from transformers import TrainerCallback
 
 from qerl.cli import main as cli
@@ -243,3 +244,23 @@ def test_trl_loss_variants_run(chat_model, tmp_path, method, rl):
     assert list(metrics.step) == [1, 2] and metrics.loss.notna().all()
     if rl.get("beta"):
         assert "kl" in metrics and metrics.kl.notna().all()
+
+
+def test_a_kv_budget_splits_the_rollout_into_chunks(chat_model, tmp_path):
+    from transformers import AutoConfig
+
+    from qerl.rollout.decoder import KVCache
+
+    raw = settings(chat_model, tmp_path, "lora")
+    rl = parse_config(raw).rl
+    seq = rl.max_prompt_length + rl.max_completion_length
+    per_sequence = seq * KVCache.bytes_per_slot(AutoConfig.from_pretrained(chat_model),
+                                                 torch.bfloat16)  # the model's dtype
+    raw["engine"] = {"kv_budget_gb": 2.5 * per_sequence / 1e9}  # holds 2 of the 4
+    trainer = run(raw)
+    assert trainer._engine.max_batch == 2
+    assert list(pd.read_csv(tmp_path / METRICS).step) == [1, 2]
+    raw["engine"] = {"kv_budget_gb": 0.5 * per_sequence / 1e9}
+    raw["output_dir"] = str(tmp_path / "none")
+    with pytest.raises(ConfigError, match="holds no sequence"):
+        run(raw)
