@@ -5,7 +5,9 @@ num_iterations, mask_truncated_completions, the metrics); this subclass changes 
 the paper needs and TRL lacks:
 
 - generation goes to ``qerl.rollout.Engine`` on the live policy (TRL's extension point
-  ``_generate_single_turn``): NVFP4 kernels, unmerged LoRA and AQN's noise, no weight sync;
+  ``_generate_single_turn``): NVFP4 kernels, unmerged LoRA and AQN's noise, no weight sync
+  (or, with ``engine.backend: vllm``, to vLLM, which gets the adapter and norms pushed
+  before each rollout);
 - AQN: ``perturb(step)`` before the step's first micro-batch (its rollouts sample from the
   noised model), ``restore()`` before the optimizer step (or right after the rollouts,
   with ``aqn.rollout_only``);
@@ -118,7 +120,13 @@ class QerlGRPOTrainer(GRPOTrainer):
                                   f"{seq_len} tokens")
             batch = min(batch, fits)
         if self._engine is None or batch > self._engine.max_batch:
-            self._engine = Engine(self.policy, max_batch=batch, max_seq_len=seq_len)
+            if self.qerl_config.engine.backend == "vllm":
+                from qerl.rollout.vllm_backend import VLLMEngine
+
+                self._engine = VLLMEngine(self.policy, self.qerl_config.output_dir / "vllm",
+                                          max_batch=batch, max_seq_len=seq_len)
+            else:
+                self._engine = Engine(self.policy, max_batch=batch, max_seq_len=seq_len)
         return self._engine
 
     def _rollout_seed(self) -> int:

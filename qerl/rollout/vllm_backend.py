@@ -50,6 +50,7 @@ class VLLMEngine:
             raise RolloutError("the vLLM backend needs vllm: pip install 'qerl[vllm]'") from e
         self.vllm = vllm
         self.policy = policy
+        self.max_batch = max_batch
         self.workdir = Path(workdir)
         export = export_for_vllm(policy, self.workdir / "export", overwrite=True)
         self.llm = vllm.LLM(model=str(export / "base"), enable_lora=True,

@@ -14,6 +14,7 @@ from qerl.config import ConfigError, load_config, parse_config
 from qerl.rl.run import METRICS, last_checkpoint, train
 from qerl.rl.trainer import overlong_reward
 from tests.conftest import require, save_tiny_model, tiny_tokenizer
+from tests.rollout.test_vllm_backend import fake_vllm  # noqa: F401 (a fixture)
 
 CHAT = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
         "{% if add_generation_prompt %}w1{% endif %}")
@@ -264,3 +265,17 @@ def test_a_kv_budget_splits_the_rollout_into_chunks(chat_model, tmp_path):
     raw["output_dir"] = str(tmp_path / "none")
     with pytest.raises(ConfigError, match="holds no sequence"):
         run(raw)
+
+
+@pytest.mark.usefixtures("fake_vllm")
+def test_the_vllm_backend_serves_the_rollouts(chat_model, tmp_path):
+    """engine.backend: vllm routes generation to VLLMEngine (against the stand-in vllm
+    module: real vLLM is not installed here), which pushes the adapter every rollout."""
+    from tests.rollout.test_vllm_backend import FakeLLM
+
+    raw = settings(chat_model, tmp_path, "qerl", max_steps=2)
+    raw["engine"] = {"backend": "vllm"}
+    trainer = run(raw)
+    generates = [c for c in FakeLLM.instances[-1].calls if c[0] == "generate"]
+    assert len(generates) == 2 and type(trainer._engine).__name__ == "VLLMEngine"
+    assert generates[0][2].lora_int_id != generates[1][2].lora_int_id
