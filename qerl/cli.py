@@ -42,6 +42,7 @@ BENCHMARKS = {
     "fidelity": "qerl.bench.fidelity",
     "memory": "qerl.bench.memory",
     "rollout": "qerl.bench.rollout",
+    "decode-step": "qerl.bench.decode_step",
 }
 
 

@@ -1,0 +1,105 @@
+"""One rollout decode step, taken apart: its time as a CUDA-graph replay, the GPU kernels
+it launches and the five that take longest, with the fused kernels and with the model's own
+modules (``Engine(fused=...)``), at Qwen2.5 shapes with random weights and LoRA attached.
+
+    qerl bench decode-step                 # -> results/bench/decode_step_<card>.csv
+    qerl bench decode-step --archs qwen2.5-7b --batches 1,32 --slot 700
+
+The cache holds ``--slot`` tokens of context (a mid-rollout step at prompt 256 / generate
+1024). Kernels are counted by torch.profiler over one eager step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from pathlib import Path
+
+import torch
+
+from qerl.bench.record import append_rows, provenance
+from qerl.policy import LoraSettings, build_policy
+from qerl.rollout import Engine, SamplingParams
+
+WEIGHTS = {"bf16": "lora", "nvfp4": "qerl"}
+
+
+def _replay_ms(engine: Engine, ids: torch.Tensor, slot: torch.Tensor, repeats: int = 20):
+    engine._decode(ids, slot)  # captures the graph
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        engine._decode(ids, slot)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def _kernels(engine: Engine, ids, slot, batch: int) -> tuple[int, str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = engine._view(batch)
+    with torch.no_grad():
+        engine.decoder(ids, slot, cache)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.decoder(ids, slot, cache)
+            torch.cuda.synchronize()
+    # Device-side events only (the API calls carry no device time).
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    top = "; ".join(f"{e.key[:48]} x{e.count} {e.device_time_total / 1e3:.2f}ms"
+                    for e in events[:5])
+    return sum(e.count for e in events), top
+
+
+def measure(arch: str, weights: str, rank: int, batches: list[int], slot: int) -> list[dict]:
+    policy = build_policy(WEIGHTS[weights], arch=arch, device="cuda",
+                          lora=LoraSettings(rank=rank, alpha=rank))
+    rows = []
+    for fused in (True, False):
+        engine = Engine(policy, max_batch=max(batches), max_seq_len=slot + 2, fused=fused)
+        for batch in batches:
+            prompts = torch.randint(0, 1000, (batch, slot)).tolist()
+            engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
+            ids = torch.zeros((batch, 1), dtype=torch.long, device="cuda")
+            at = torch.tensor(slot, device="cuda")
+            with engine._eval():
+                step_ms = _replay_ms(engine, ids, at)
+                kernels, top = _kernels(engine, ids, at, batch)
+            rows.append({"model": arch, "weights": weights, "lora_rank": rank,
+                         "fused": int(fused), "batch": batch, "context": slot,
+                         "step_ms": round(step_ms, 3), "kernels": kernels, "top_kernels": top})
+            print(f"  {weights} fused={int(fused)} batch {batch}: {step_ms:.2f} ms, "
+                  f"{kernels} kernels", flush=True)
+        del engine
+        gc.collect()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="qerl bench decode-step", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", type=Path, default=Path("results/bench"))
+    parser.add_argument("--archs", default="qwen2.5-7b")
+    parser.add_argument("--weights", default="bf16,nvfp4")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--slot", type=int, default=700)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("qerl bench decode-step: needs a CUDA GPU (none found)")
+    base = provenance("cuda")
+    path = args.out_dir / f"decode_step_{base['card'].replace(' ', '_')}.csv"
+    batches = [int(b) for b in args.batches.split(",")]
+    for arch in args.archs.split(","):
+        for weights in args.weights.split(","):
+            rows = measure(arch, weights, args.rank, batches, args.slot)
+            append_rows(path, [{**base, **row} for row in rows])
+            gc.collect()
+            torch.cuda.empty_cache()
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
