@@ -19,10 +19,9 @@ from pathlib import Path
 import torch
 
 from qerl.bench.record import append_rows, provenance
+from qerl.bench.rollout import WEIGHTS
 from qerl.policy import LoraSettings, build_policy
 from qerl.rollout import Engine, SamplingParams
-
-WEIGHTS = {"bf16": "lora", "nvfp4": "qerl"}
 
 
 def _replay_ms(engine: Engine, ids: torch.Tensor, slot: torch.Tensor, repeats: int = 20):

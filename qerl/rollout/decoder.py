@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 from qerl.kernels.rmsnorm import rms_norm
 from qerl.kernels.rotary_cache import reference_rotary_into_cache, rotary_into_cache
+from qerl.noise import output_in_input_dtype
 from qerl.rollout.projections import project
 
 
@@ -56,8 +57,6 @@ class KVCache:
 def fused_norm(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
     """(weight, eps) of a Qwen2/Llama RMSNorm that the fused kernel computes exactly as its
     forward does (AQN's output cast is the only hook it reproduces), else None."""
-    from qerl.noise import output_in_input_dtype
-
     eps = getattr(norm, "variance_epsilon", None)
     hooks = [h for h in norm._forward_hooks.values() if h is not output_in_input_dtype]
     if (not type(norm).__name__.endswith("RMSNorm") or eps is None or hooks
