@@ -28,10 +28,22 @@ from qerl.rl.data import load_task
 METRICS = "metrics.csv"
 
 
+def _complete(checkpoint: Path) -> bool:
+    """transformers writes trainer_state.json last: a checkpoint whose state file is
+    missing or cut short was interrupted while being saved."""
+    import json
+
+    try:
+        json.loads((checkpoint / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def last_checkpoint(output_dir: Path) -> Path | None:
-    """The newest checkpoint-N whose trainer_state.json exists (written last)."""
+    """The newest complete checkpoint-N in ``output_dir``."""
     done = [p for p in output_dir.glob("checkpoint-*")
-            if p.name.split("-")[-1].isdigit() and (p / "trainer_state.json").is_file()]
+            if p.name.split("-")[-1].isdigit() and _complete(p)]
     return max(done, key=lambda p: int(p.name.split("-")[-1]), default=None)
 
 

@@ -279,3 +279,13 @@ def test_the_vllm_backend_serves_the_rollouts(chat_model, tmp_path):
     generates = [c for c in FakeLLM.instances[-1].calls if c[0] == "generate"]
     assert len(generates) == 2 and type(trainer._engine).__name__ == "VLLMEngine"
     assert generates[0][2].lora_int_id != generates[1][2].lora_int_id
+
+
+def test_a_checkpoint_cut_short_is_not_resumed_from(tmp_path):
+    for step, state in ((2, '{"global_step": 2}'), (4, '{"global_st'), (6, None)):
+        ckpt = tmp_path / f"checkpoint-{step}"
+        ckpt.mkdir()
+        if state is not None:
+            (ckpt / "trainer_state.json").write_text(state)
+    assert last_checkpoint(tmp_path).name == "checkpoint-2"
+    assert last_checkpoint(tmp_path / "empty") is None
