@@ -7,8 +7,10 @@ template renders it) and the gold final ``answer`` that the rewards check.
     load_task("arithmetic", level=2, size=512, seed=0)   # procedural, for small models
 
 Hub names: gsm8k (openai/gsm8k), math500 (HuggingFaceH4/MATH-500), dapo-math-17k
-(BytedTsinghua-SIA/DAPO-Math-17k), bigmath (SynthLabsAI/Big-Math-RL-Verified). A local
-.jsonl/.json/.parquet file of any of these schemas works in place of the hub.
+(BytedTsinghua-SIA/DAPO-Math-17k), bigmath (SynthLabsAI/Big-Math-RL-Verified), aime24
+(HuggingFaceH4/aime_2024), aime25 (math-ai/aime25), amc23 (math-ai/amc23). A local
+.jsonl/.json/.parquet file of any of these schemas works in place of the hub, or of any
+schema with ``fields`` naming its question and answer columns.
 """
 
 from __future__ import annotations
@@ -30,24 +32,40 @@ class DataError(QerlError):
 class HubTask:
     repo: str
     config: str | None = None
+    split: str = "train"  # what evaluation reads when no split is given
 
 
 HUB = {
-    "gsm8k": HubTask("openai/gsm8k", "main"),
-    "math500": HubTask("HuggingFaceH4/MATH-500"),
+    "gsm8k": HubTask("openai/gsm8k", "main", "test"),
+    "math500": HubTask("HuggingFaceH4/MATH-500", split="test"),
     "dapo-math-17k": HubTask("BytedTsinghua-SIA/DAPO-Math-17k"),
     "bigmath": HubTask("SynthLabsAI/Big-Math-RL-Verified"),
+    "aime24": HubTask("HuggingFaceH4/aime_2024"),
+    "aime25": HubTask("math-ai/aime25", split="test"),
+    "amc23": HubTask("math-ai/amc23", split="test"),
 }
 TASKS = (*HUB, "arithmetic")
 
 
-def question_and_answer(row: dict) -> tuple[str, str] | None:
-    """(question, gold final answer) of a row in any supported schema, or None."""
-    if "question" in row and "answer" in row:  # GSM8K: the solution ends with "#### N"
-        solution = str(row["answer"])
-        if "####" not in solution:
+def final_answer(answer) -> str:
+    """A gold answer field as a final answer: GSM8K's solutions end with "#### N"."""
+    text = str(answer)
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip().replace(",", "")
+    return text.strip()
+
+
+def question_and_answer(row: dict, fields: dict[str, str] | None = None
+                        ) -> tuple[str, str] | None:
+    """(question, gold final answer) of a row, by ``fields`` ({"question": column,
+    "answer": column}) or in any supported schema; None when the row has neither."""
+    if fields is not None:
+        question, answer = row.get(fields["question"]), row.get(fields["answer"])
+        if question in (None, "") or answer in (None, ""):
             return None
-        return str(row["question"]), solution.rsplit("####", 1)[1].strip().replace(",", "")
+        return str(question), final_answer(answer)
+    if "question" in row and row.get("answer") not in (None, ""):  # GSM8K, AMC23
+        return str(row["question"]), final_answer(row["answer"])
     if "problem" in row and row.get("answer") not in (None, ""):  # MATH-500, DAPO, Big-Math
         return str(row["problem"]), str(row["answer"]).strip()
     if isinstance(row.get("prompt"), list) and isinstance(row.get("reward_model"), dict):
@@ -75,18 +93,28 @@ def _rows(name: str, path: str | Path | None, split: str):
     return datasets.load_dataset(hub.repo, hub.config, split=split)
 
 
-def load_task(name: str, path: str | Path | None = None, split: str = "train",
-              limit: int | None = None, level: int = 1, size: int = 1024, seed: int = 0):
+def load_task(name: str, path: str | Path | None = None, split: str | None = "train",
+              limit: int | None = None, level: int = 1, size: int = 1024, seed: int = 0,
+              fields: dict[str, str] | None = None):
     """The task as a datasets.Dataset with columns ``prompt`` (a user message) and
-    ``answer``; ``limit`` keeps the first rows."""
+    ``answer``; ``limit`` keeps the first rows; ``split`` None is the task's evaluation
+    split; ``fields`` maps a local file's columns ({"question": ..., "answer": ...})."""
     import datasets
 
     if name not in TASKS:
         raise DataError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
+    if fields is not None and set(fields) != {"question", "answer"}:
+        raise DataError(f"fields maps 'question' and 'answer' to columns, got {fields}")
     if name == "arithmetic":
         pairs = arithmetic_problems(level, size, seed)
     else:
-        pairs = [qa for qa in map(question_and_answer, _rows(name, path, split)) if qa]
+        rows = _rows(name, path, split or HUB[name].split)
+        if fields is not None and rows.column_names and not set(fields.values()) <= set(
+                rows.column_names):
+            missing = sorted(set(fields.values()) - set(rows.column_names))
+            raise DataError(f"{path or name}: no column(s) {missing}; it has "
+                            f"{rows.column_names}")
+        pairs = [qa for qa in (question_and_answer(r, fields) for r in rows) if qa]
     if limit is not None:
         pairs = pairs[:limit]
     if not pairs:

@@ -18,12 +18,13 @@ from pathlib import Path
 
 import torch
 import yaml
-from transformers import AutoTokenizer, TrainerCallback, set_seed
+from transformers import TrainerCallback, set_seed
 
 from qerl.config import ConfigError, TrainConfig
 from qerl.noise import AQNSettings
 from qerl.policy import LoraSettings, build_policy
 from qerl.rl.data import load_task
+from qerl.tokenizer import policy_tokenizer
 
 METRICS = "metrics.csv"
 
@@ -92,30 +93,6 @@ def _process_device(device: str) -> str:
     return device
 
 
-def _tokenizer(config: TrainConfig, policy, directory: Path, cpu: bool):
-    from accelerate import PartialState
-
-    if config.tokenizer is not None:
-        source = config.tokenizer
-    elif policy.save_extras is not None:
-        source = directory
-    else:
-        raise ConfigError("the model has no tokenizer (random weights): set tokenizer: to a "
-                          "directory or hub id holding one")
-    state = PartialState(cpu=cpu)
-    with state.main_process_first():  # one process writes, the others read after it
-        if source == directory and state.is_main_process:
-            directory.mkdir(parents=True, exist_ok=True)
-            policy.save_extras(directory)
-        tokenizer = AutoTokenizer.from_pretrained(source)
-    if not tokenizer.chat_template:
-        raise ConfigError(f"the tokenizer from {source} has no chat template; prompts are "
-                          "conversations: use an instruct model's tokenizer")
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
 def fitting_prompts(task, tokenizer, max_tokens: int):
     """The rows of ``task`` whose prompt, rendered by the chat template, fits
     ``max_tokens`` (DAPO drops the others rather than cutting a question short)."""
@@ -154,7 +131,8 @@ def build_trainer(config: TrainConfig, callbacks: list | None = None):
                           lora=lora, aqn=aqn, total_steps=config.train.max_steps,
                           device=_process_device(device))
     config.output_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = _tokenizer(config, policy, config.output_dir / "tokenizer", device == "cpu")
+    tokenizer = policy_tokenizer(policy, config.output_dir / "tokenizer", config.tokenizer,
+                                 cpu=device == "cpu")
     task = fitting_prompts(task, tokenizer, config.rl.max_prompt_length)
     return QerlGRPOTrainer(policy, config, tokenizer, task,
                            callbacks=[MetricsCSV(config.output_dir / METRICS),

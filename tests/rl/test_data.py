@@ -27,7 +27,7 @@ def test_bad_sources_are_refused_with_their_cause(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         load_task("gsm8k", path=tmp_path / "missing.jsonl")
     useless = tmp_path / "useless.jsonl"
-    useless.write_text('{"text": "no question here"}\n{"question": "q", "answer": "no hashes"}\n')
+    useless.write_text('{"text": "no question here"}\n{"question": "q", "answer": ""}\n')
     with pytest.raises(DataError, match="no usable rows"):
         load_task("gsm8k", path=useless)
     garbled = tmp_path / "garbled.jsonl"

@@ -13,6 +13,7 @@ from qerl.cli import main as cli
 from qerl.config import ConfigError, load_config, parse_config
 from qerl.rl.run import METRICS, last_checkpoint, train
 from qerl.rl.trainer import overlong_reward
+from qerl.tokenizer import TokenizerError
 from tests.conftest import require, save_tiny_model, tiny_tokenizer
 from tests.rollout.test_vllm_backend import fake_vllm  # noqa: F401 (a fixture)
 
@@ -115,7 +116,7 @@ def test_bad_configs_name_the_key(chat_model, tmp_path):
             parse_config(raw)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
-    with pytest.raises(ConfigError, match="has no chat template"):
+    with pytest.raises(TokenizerError, match="has no chat template"):
         run({**good, "tokenizer": None, "model": str(save_model_without_chat(tmp_path))})
 
 

@@ -1,0 +1,39 @@
+"""The tokenizer that renders prompts for a policy: the one its model came with (written
+next to the run's outputs) or one named explicitly, with a chat template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from qerl.errors import QerlError
+
+
+class TokenizerError(QerlError):
+    """No usable tokenizer for the model."""
+
+
+def policy_tokenizer(policy, directory: Path, source: str | None = None, cpu: bool = False):
+    """``source`` (a directory or hub id) if given, else the policy's own tokenizer files
+    written to ``directory`` (by one process when several run). Needs a chat template:
+    prompts are conversations. The pad token falls back to EOS."""
+    from accelerate import PartialState
+
+    if source is None and policy.save_extras is None:
+        raise TokenizerError("the model has no tokenizer (random weights): name one "
+                             "(tokenizer: in a training config, --tokenizer for qerl eval)")
+    state = PartialState(cpu=cpu)
+    with state.main_process_first():  # one process writes, the others read after it
+        if source is None:
+            if state.is_main_process:
+                directory.mkdir(parents=True, exist_ok=True)
+                policy.save_extras(directory)
+            source = directory
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    if not tokenizer.chat_template:
+        raise TokenizerError(f"the tokenizer from {source} has no chat template; prompts are "
+                             "conversations: use an instruct model's tokenizer")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
