@@ -76,6 +76,32 @@ def _train(args: argparse.Namespace) -> None:
     train(load_config(args.config, _set(args.set)))
 
 
+def _pairs(items: list[str], what: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise QerlError(f"{what} takes NAME=VALUE, got {item!r}")
+        out[key] = value
+    return out
+
+
+def _eval(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from qerl.eval.run import EvalSettings, evaluate
+
+    settings = EvalSettings(samples=args.samples, temperature=args.temperature,
+                            top_p=args.top_p, max_tokens=args.max_tokens, batch=args.batch,
+                            seed=args.seed)
+    fields = _pairs(args.fields.split(","), "--fields") if args.fields else None
+    rows = evaluate(args.model, args.bench.split(","), Path(args.out), settings,
+                    adapter=args.adapter, method=args.method, tokenizer=args.tokenizer,
+                    data=_pairs(args.data, "--data"), fields=fields, limit=args.limit,
+                    device=args.device or _default_device())
+    print(json.dumps(rows, indent=2))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qerl", description=__doc__)
     verbs = parser.add_subparsers(dest="verb", required=True)
@@ -108,6 +134,32 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a setting, e.g. --set train.max_steps=10 (repeatable)")
     t.set_defaults(run=_train)
+
+    e = verbs.add_parser(
+        "eval", help="accuracy on math benchmarks (avg@k, pass@k), resumable",
+        description="Sample --samples answers per problem with the rollout engine and score "
+                    "them with math-verify; rerun the same command to resume.")
+    e.add_argument("--model", required=True, help="model directory, hub id, .gguf or NVFP4 "
+                                                  "checkpoint")
+    e.add_argument("--adapter", help="a trained adapter directory (qerl train's final/)")
+    e.add_argument("--method", choices=["qerl", "lora", "qlora", "full"],
+                   help="default: qerl for an NVFP4 checkpoint, lora with --adapter, else full")
+    e.add_argument("--bench", default="gsm8k,math500",
+                   help="comma-separated: gsm8k, math500, aime24, aime25, amc23")
+    e.add_argument("--data", action="append", default=[], metavar="BENCH=FILE",
+                   help="a local file for a benchmark (repeatable)")
+    e.add_argument("--fields", help="its columns, e.g. question=problem,answer=solution")
+    e.add_argument("--samples", type=int, default=1, help="answers per problem (k)")
+    e.add_argument("--temperature", type=float, default=0.6)
+    e.add_argument("--top-p", type=float, default=0.95)
+    e.add_argument("--max-tokens", type=int, default=4096)
+    e.add_argument("--batch", type=int, default=64, help="sequences per engine call")
+    e.add_argument("--limit", type=int, help="only the first N problems of each benchmark")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--tokenizer", help="tokenizer directory or hub id, if not the model's")
+    e.add_argument("--device", help="default: cuda if available, else cpu")
+    e.add_argument("--out", required=True, help="output directory")
+    e.set_defaults(run=_eval)
 
     b = verbs.add_parser("bench", help="run a benchmark; results go to results/bench/",
                          description="Benchmarks write CSV under results/bench/; "

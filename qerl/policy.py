@@ -161,8 +161,16 @@ def load_adapter(policy: Policy, directory: str | Path, trainable: bool = False)
     if policy.method == "qerl":
         register_nvfp4(config)
     base = policy.model.unload() if isinstance(policy.model, PeftModel) else policy.model
-    policy.model = PeftModel.from_pretrained(base, directory, config=config,
-                                             is_trainable=trainable)
+    try:
+        policy.model = PeftModel.from_pretrained(base, directory, config=config,
+                                                 is_trainable=trainable)
+    except (RuntimeError, ValueError, KeyError) as e:  # PEFT's shape and target errors
+        # torch lists every mismatching tensor, one per line: name the first.
+        problems = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
+        detail = problems[0] if problems else str(e)
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise PolicyError(f"{directory}: the adapter does not fit this base model: "
+                          f"{detail}{more}") from e
     norms = directory / NORMS_FILE
     if norms.is_file():
         current = policy.norm_weights()
@@ -181,7 +189,7 @@ def load_base(method: str, model: str | Path | None, *, arch: str | None = None,
               ) -> tuple[nn.Module, str, Callable[[Path], None]]:
     """(model, description, writer of its tokenizer files) for ``method``."""
     device = torch.device(device)
-    if model is not None and _is_nvfp4_checkpoint(Path(model)):
+    if model is not None and is_nvfp4_checkpoint(Path(model)):
         ckpt = load_checkpoint(model, device)
         config = _config_from_dict(ckpt.config)
         built = _from_checkpoint(method, ckpt, config, device)
@@ -191,7 +199,8 @@ def load_base(method: str, model: str | Path | None, *, arch: str | None = None,
     return _from_source(method, source, device), source.description, source.save_extras
 
 
-def _is_nvfp4_checkpoint(path: Path) -> bool:
+def is_nvfp4_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint in qerl's (compressed-tensors NVFP4) format."""
     if not (path / "config.json").is_file():
         return False
     qc = read_json(path / "config.json").get("quantization_config") or {}

@@ -119,6 +119,23 @@ def tiny_model_dir(tmp_path_factory):
     return path
 
 
+# A chat template for the tiny tokenizer: prompts are conversations.
+CHAT = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}w1{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory):
+    """A tiny bf16 Qwen2 whose tokenizer has a chat template (in_features multiples of 64,
+    as bitsandbytes' CPU NF4 needs)."""
+    path = tmp_path_factory.mktemp("chat-model")
+    save_tiny_model(path, intermediate=192, hard_values=False)
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHAT
+    tokenizer.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tiny_model_dir, tmp_path_factory):
     """``tiny_model_dir`` quantized by qerl."""

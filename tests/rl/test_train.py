@@ -14,23 +14,11 @@ from qerl.config import ConfigError, load_config, parse_config
 from qerl.rl.run import METRICS, last_checkpoint, train
 from qerl.rl.trainer import overlong_reward
 from qerl.tokenizer import TokenizerError
-from tests.conftest import require, save_tiny_model, tiny_tokenizer
+from tests.conftest import CHAT, require, save_tiny_model, tiny_tokenizer
 from tests.rollout.test_vllm_backend import fake_vllm  # noqa: F401 (a fixture)
 
-CHAT = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
-        "{% if add_generation_prompt %}w1{% endif %}")
 # Metrics that depend on the clock, not on the run's numbers.
 TIMING = ("step_time", "rollout/tokens_per_s", "train_runtime")
-
-
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("chat-model")
-    save_tiny_model(path, intermediate=192, hard_values=False)  # bitsandbytes' CPU: K % 64
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = CHAT
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def settings(model, out, method="qerl", **train) -> dict:

@@ -1,0 +1,1 @@
+"""Evaluation on math benchmarks with the rollout engine and the training rewards."""

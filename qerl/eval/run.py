@@ -1,0 +1,186 @@
+"""``qerl eval``: sample k answers per problem with the rollout engine, score them with the
+training reward (math-verify), and report avg@k, pass@1 and pass@k.
+
+    out_dir/
+      settings.json     what was sampled and how (a resumed run must match it)
+      <bench>.jsonl     one line per (problem, sample): prompt, completion, extracted
+                        answer, gold answer, score — appended batch by batch, so a killed
+                        run resumes where it stopped
+      summary.json/csv  per benchmark: problems, samples, avg@k, pass@1, pass@k
+
+The policy is evaluated as trained: an adapter is applied (unmerged, like in training) to
+its base — BF16, NVFP4 or NF4 — so what is measured is what was trained.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from qerl.errors import QerlError
+from qerl.eval.metrics import summarize
+from qerl.rl.rewards import is_correct, parse_answer
+from qerl.rollout import Engine, SamplingParams
+
+SUMMARY = "summary"
+
+
+class EvalError(QerlError):
+    """An evaluation that cannot run as asked."""
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """The paper's sampling: temperature 0.6, top-p 0.95."""
+
+    samples: int = 1
+    temperature: float = 0.6
+    top_p: float = 0.95
+    max_tokens: int = 4096
+    batch: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.samples < 1 or self.batch < 1 or self.max_tokens < 1:
+            raise EvalError(f"samples, batch and max_tokens must be >= 1: {self}")
+
+
+def _done(path: Path) -> dict[tuple[int, int], dict]:
+    """The records already in ``path``; a last line cut short by a kill is dropped from
+    the file (its sample is redone)."""
+    if not path.is_file():
+        return {}
+    lines = path.read_text().splitlines(keepends=True)
+    records = {}
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number < len(lines):
+                raise EvalError(f"{path}:{number} is not JSON; delete the file to start "
+                                "over") from None
+            path.write_text("".join(lines[:-1]))
+            break
+        records[(record["id"], record["sample"])] = record
+    return records
+
+
+def _append(path: Path, records: list[dict]) -> None:
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    with path.open("a") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _check_settings(out_dir: Path, settings: EvalSettings, what: dict) -> None:
+    path = out_dir / "settings.json"
+    current = {**asdict(settings), **what}
+    if path.is_file():
+        before = json.loads(path.read_text())
+        changed = sorted(k for k in current if before.get(k) != current[k])
+        if changed:
+            raise EvalError(f"{out_dir} holds an evaluation with other settings ({changed}); "
+                            "use another output directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(current, indent=2))
+
+
+def evaluate_bench(name: str, task, policy, tokenizer, out_dir: Path,
+                   settings: EvalSettings) -> dict:
+    """Sample what ``out_dir/<name>.jsonl`` lacks, then summarize the file."""
+    path = out_dir / f"{name}.jsonl"
+    records = _done(path)
+    texts = tokenizer.apply_chat_template(list(task["prompt"]), tokenize=False,
+                                          add_generation_prompt=True)
+    prompt_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    pending = [(i, s) for i in range(len(task)) for s in range(settings.samples)
+               if (i, s) not in records]
+    if pending:
+        longest = max(len(prompt_ids[i]) for i, _ in pending)
+        engine = Engine(policy, max_batch=min(settings.batch, len(pending)),
+                        max_seq_len=longest + settings.max_tokens)
+        stops = {t for t in (tokenizer.eos_token_id, *_generation_eos(policy)) if t is not None}
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(pending), desc=name, unit="sample")
+        for first in range(0, len(pending), engine.max_batch):
+            chunk = pending[first:first + engine.max_batch]
+            params = SamplingParams(max_new_tokens=settings.max_tokens,
+                                    temperature=settings.temperature, top_p=settings.top_p,
+                                    stop_token_ids=tuple(sorted(stops)),
+                                    seed=zlib.crc32(f"{settings.seed}/{name}/{chunk[0]}"
+                                                    .encode()))
+            out = engine.generate([prompt_ids[i] for i, _ in chunk], params)
+            batch = []
+            for (i, s), tokens in zip(chunk, out.tokens, strict=True):
+                completion = tokenizer.decode(tokens, skip_special_tokens=True)
+                extracted = parse_answer(completion)
+                batch.append({"id": i, "sample": s, "prompt": texts[i],
+                              "completion": completion,
+                              "extracted": str(extracted[-1]) if extracted else None,
+                              "answer": task[i]["answer"],
+                              "score": float(is_correct(completion, task[i]["answer"]))})
+            _append(path, batch)
+            records.update({(r["id"], r["sample"]): r for r in batch})
+            bar.update(len(chunk))
+        bar.close()
+    scores: dict[int, list[float]] = {}
+    for (i, _), record in sorted(records.items()):
+        scores.setdefault(i, []).append(record["score"])
+    return {"bench": name, **summarize(scores, settings.samples)}
+
+
+def _generation_eos(policy) -> list[int]:
+    eos = getattr(policy.base_model.generation_config, "eos_token_id", None)
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def evaluate(model: str, benches: list[str], out_dir: Path, settings: EvalSettings,
+             adapter: str | None = None, method: str | None = None,
+             tokenizer: str | None = None, data: dict[str, str] | None = None,
+             fields: dict[str, str] | None = None, limit: int | None = None,
+             device: str = "cpu") -> list[dict]:
+    """Evaluate ``model`` (with ``adapter``) on ``benches``; returns the summary rows.
+    ``method`` defaults to qerl for an NVFP4 checkpoint, lora with an adapter, full
+    otherwise. ``data`` maps a benchmark to a local file, ``fields`` its columns."""
+    import torch
+
+    from qerl.policy import build_policy, is_nvfp4_checkpoint, load_adapter
+    from qerl.rl.data import HUB, load_task
+    from qerl.tokenizer import policy_tokenizer
+
+    unknown = [b for b in benches if b not in HUB]
+    if unknown:
+        raise EvalError(f"unknown benchmark(s) {unknown}; known: {', '.join(HUB)}")
+    stray = sorted(set(data or {}) - set(benches))
+    if stray:
+        raise EvalError(f"data files given for benchmarks not asked for: {stray}")
+    if method is None:
+        method = ("qerl" if is_nvfp4_checkpoint(Path(model)) else
+                  "lora" if adapter else "full")
+    if adapter and method == "full":
+        raise EvalError("an adapter needs a LoRA method (qerl, lora or qlora), not full")
+    tasks = {b: load_task(b, path=(data or {}).get(b), split=None, limit=limit,
+                          fields=fields if (data or {}).get(b) else None) for b in benches}
+    _check_settings(out_dir, settings, {"model": str(model), "adapter": adapter,
+                                        "method": method, "limit": limit})
+    with torch.no_grad():
+        policy = build_policy(method, model, device=device)
+        if adapter:
+            load_adapter(policy, adapter)
+        tok = policy_tokenizer(policy, out_dir / "tokenizer", tokenizer,
+                               cpu=device == "cpu")
+        rows = [evaluate_bench(b, tasks[b], policy, tok, out_dir, settings) for b in benches]
+    write_summary(out_dir, rows)
+    return rows
+
+
+def write_summary(out_dir: Path, rows: list[dict]) -> None:
+    import pandas as pd
+
+    (out_dir / f"{SUMMARY}.json").write_text(json.dumps(rows, indent=2))
+    pd.DataFrame(rows).to_csv(out_dir / f"{SUMMARY}.csv", index=False)

@@ -1,0 +1,96 @@
+"""`qerl eval` on CPU with a tiny model: the outputs, resume without recomputing, the
+adapter really applied, avg@k/pass@k, and bad requests refused before any sampling."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qerl.cli import main as cli
+from qerl.eval.metrics import pass_at_k, summarize
+from qerl.eval.run import EvalError, EvalSettings, evaluate
+from qerl.policy import LoraSettings, PolicyError, build_policy
+from qerl.rl.data import DataError
+from tests.conftest import save_tiny_model
+from tests.rl.test_rewards import DATA
+from tests.test_policy import randomize_adapter
+
+GSM8K = {"gsm8k": str(DATA / "gsm8k_test.jsonl")}
+FAST = EvalSettings(samples=2, max_tokens=4, batch=4)
+
+
+def lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_pass_at_k_and_avg_at_k():
+    assert pass_at_k(5, 0, 1) == 0.0 and pass_at_k(5, 5, 3) == 1.0
+    assert pass_at_k(5, 2, 1) == pytest.approx(0.4)
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)
+    summary = summarize({0: [1.0, 0.0], 1: [0.0, 0.0], 2: [1.0, 1.0]}, k=2)
+    assert summary["avg@2"] == pytest.approx(0.5) and summary["pass@1"] == pytest.approx(0.5)
+    assert summary["pass@2"] == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="same number of samples"):
+        summarize({0: [1.0], 1: [0.0, 1.0]}, k=1)
+
+
+def test_eval_writes_every_sample_and_resumes_where_it_stopped(chat_model, tmp_path):
+    rows = evaluate(str(chat_model), ["gsm8k"], tmp_path, FAST, data=GSM8K, limit=3)
+    records = lines(tmp_path / "gsm8k.jsonl")
+    assert sorted((r["id"], r["sample"]) for r in records) == [(i, s) for i in range(3)
+                                                               for s in range(2)]
+    assert {"prompt", "completion", "extracted", "answer", "score"} <= set(records[0])
+    assert records[0]["answer"] == "18" and rows[0]["problems"] == 3
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary[0]["bench"] == "gsm8k" and "pass@2" in summary[0]
+    assert (tmp_path / "summary.csv").is_file()
+    # Killed mid-write: two whole lines kept, the third cut short.
+    text = (tmp_path / "gsm8k.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "gsm8k.jsonl").write_text("".join(text[:2]) + text[2][:10])
+    evaluate(str(chat_model), ["gsm8k"], tmp_path, FAST, data=GSM8K, limit=3)
+    again = lines(tmp_path / "gsm8k.jsonl")
+    assert len(again) == 6 and again[:2] == records[:2]  # finished samples not redone
+    with pytest.raises(EvalError, match="other settings"):
+        evaluate(str(chat_model), ["gsm8k"], tmp_path, EvalSettings(samples=3), data=GSM8K,
+                 limit=3)
+
+
+def test_the_adapter_is_applied(chat_model, tmp_path):
+    policy = build_policy("lora", chat_model, lora=LoraSettings(rank=4, alpha=8))
+    randomize_adapter(policy, 1)
+    policy.save_adapter(tmp_path / "adapter")
+    greedy = EvalSettings(samples=1, temperature=0, max_tokens=6, batch=8)
+    outputs = {}
+    for name, adapter in (("base", None), ("lora", str(tmp_path / "adapter"))):
+        evaluate(str(chat_model), ["gsm8k"], tmp_path / name, greedy, adapter=adapter,
+                 data=GSM8K, limit=8)
+        outputs[name] = [r["completion"] for r in lines(tmp_path / name / "gsm8k.jsonl")]
+    assert outputs["base"] != outputs["lora"]
+
+
+def test_bad_requests_are_refused_up_front(chat_model, tmp_path):
+    with pytest.raises(EvalError, match="unknown benchmark"):
+        evaluate(str(chat_model), ["gsm9k"], tmp_path, FAST)
+    with pytest.raises(DataError, match=r"no column\(s\) \['solution'\]"):
+        evaluate(str(chat_model), ["gsm8k"], tmp_path, FAST, data=GSM8K,
+                 fields={"question": "question", "answer": "solution"})
+    other = tmp_path / "wider"
+    save_tiny_model(other, hidden=128, hard_values=False)
+    policy = build_policy("lora", other, lora=LoraSettings(rank=4, alpha=8))
+    policy.save_adapter(tmp_path / "wide-adapter")
+    with pytest.raises(PolicyError, match="does not fit this base model.*q_proj"):
+        evaluate(str(chat_model), ["gsm8k"], tmp_path / "x", FAST, data=GSM8K,
+                 adapter=str(tmp_path / "wide-adapter"))
+    assert cli(["eval", "--model", str(chat_model), "--bench", "aime24,nope",
+                "--out", str(tmp_path / "y")]) == 2
+
+
+def test_local_files_with_a_column_mapping(chat_model, tmp_path):
+    file = tmp_path / "amc.jsonl"
+    file.write_text("".join(json.dumps({"q": f"What is {i} + 1?", "a": str(i + 1)}) + "\n"
+                            for i in range(3)))
+    rows = evaluate(str(chat_model), ["amc23"], tmp_path / "out", FAST,
+                    data={"amc23": str(file)}, fields={"question": "q", "answer": "a"})
+    assert rows[0]["problems"] == 3
+    assert [r["answer"] for r in lines(tmp_path / "out" / "amc23.jsonl")][::2] == ["1", "2", "3"]
