@@ -93,7 +93,7 @@ def _eval(args: argparse.Namespace) -> None:
 
     settings = EvalSettings(samples=args.samples, temperature=args.temperature,
                             top_p=args.top_p, max_tokens=args.max_tokens, batch=args.batch,
-                            seed=args.seed)
+                            seed=args.seed, backend=args.backend)
     fields = _pairs(args.fields.split(","), "--fields") if args.fields else None
     rows = evaluate(args.model, args.bench.split(","), Path(args.out), settings,
                     adapter=args.adapter, method=args.method, tokenizer=args.tokenizer,
@@ -156,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch", type=int, default=64, help="sequences per engine call")
     e.add_argument("--limit", type=int, help="only the first N problems of each benchmark")
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--backend", choices=["embedded", "vllm"], default="embedded",
+                   help="vllm: when installed, for qerl and lora policies")
     e.add_argument("--tokenizer", help="tokenizer directory or hub id, if not the model's")
     e.add_argument("--device", help="default: cuda if available, else cpu")
     e.add_argument("--out", required=True, help="output directory")

@@ -15,6 +15,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tests.fake_vllm import fake_vllm  # noqa: F401 (a fixture for every test)
+
 # CI sets this so that a missing optional dependency fails the run instead of skipping.
 REQUIRE_ALL = os.environ.get("QERL_REQUIRE_ALL_TESTS") == "1"
 

@@ -42,10 +42,13 @@ class EvalSettings:
     max_tokens: int = 4096
     batch: int = 64
     seed: int = 0
+    backend: str = "embedded"  # or vllm (when installed; qerl and lora policies)
 
     def __post_init__(self) -> None:
         if self.samples < 1 or self.batch < 1 or self.max_tokens < 1:
             raise EvalError(f"samples, batch and max_tokens must be >= 1: {self}")
+        if self.backend not in ("embedded", "vllm"):
+            raise EvalError(f"backend is embedded or vllm, got {self.backend!r}")
 
 
 def _done(path: Path) -> dict[tuple[int, int], dict]:
@@ -101,8 +104,8 @@ def evaluate_bench(name: str, task, policy, tokenizer, out_dir: Path,
                if (i, s) not in records]
     if pending:
         longest = max(len(prompt_ids[i]) for i, _ in pending)
-        engine = Engine(policy, max_batch=min(settings.batch, len(pending)),
-                        max_seq_len=longest + settings.max_tokens)
+        engine = _engine(policy, settings, min(settings.batch, len(pending)),
+                         longest + settings.max_tokens, out_dir)
         stops = {t for t in (tokenizer.eos_token_id, *_generation_eos(policy)) if t is not None}
         from tqdm import tqdm
 
@@ -132,6 +135,14 @@ def evaluate_bench(name: str, task, policy, tokenizer, out_dir: Path,
     for (i, _), record in sorted(records.items()):
         scores.setdefault(i, []).append(record["score"])
     return {"bench": name, **summarize(scores, settings.samples)}
+
+
+def _engine(policy, settings: EvalSettings, batch: int, seq_len: int, out_dir: Path):
+    if settings.backend == "vllm":
+        from qerl.rollout.vllm_backend import VLLMEngine
+
+        return VLLMEngine(policy, out_dir / "vllm", max_batch=batch, max_seq_len=seq_len)
+    return Engine(policy, max_batch=batch, max_seq_len=seq_len)
 
 
 def _generation_eos(policy) -> list[int]:

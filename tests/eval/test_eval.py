@@ -94,3 +94,17 @@ def test_local_files_with_a_column_mapping(chat_model, tmp_path):
                     data={"amc23": str(file)}, fields={"question": "q", "answer": "a"})
     assert rows[0]["problems"] == 3
     assert [r["answer"] for r in lines(tmp_path / "out" / "amc23.jsonl")][::2] == ["1", "2", "3"]
+
+
+@pytest.mark.usefixtures("fake_vllm")
+def test_the_vllm_backend_samples_with_the_adapter(chat_model, tmp_path):
+    """--backend vllm (against the stand-in vllm module: real vLLM is not installed here):
+    the policy's export is served with its adapter."""
+    from tests.fake_vllm import FakeLLM
+
+    settings = EvalSettings(samples=1, max_tokens=4, batch=4, backend="vllm")
+    rows = evaluate(str(chat_model), ["gsm8k"], tmp_path, settings, method="lora",
+                    data=GSM8K, limit=3)
+    assert rows[0]["problems"] == 3
+    calls = [c for c in FakeLLM.instances[-1].calls if c[0] == "generate"]
+    assert calls and calls[0][2].lora_path.startswith(str(tmp_path / "vllm"))

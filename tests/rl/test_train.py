@@ -15,7 +15,6 @@ from qerl.rl.run import METRICS, last_checkpoint, train
 from qerl.rl.trainer import overlong_reward
 from qerl.tokenizer import TokenizerError
 from tests.conftest import CHAT, require, save_tiny_model, tiny_tokenizer
-from tests.rollout.test_vllm_backend import fake_vllm  # noqa: F401 (a fixture)
 
 # Metrics that depend on the clock, not on the run's numbers.
 TIMING = ("step_time", "rollout/tokens_per_s", "train_runtime")
@@ -260,7 +259,7 @@ def test_a_kv_budget_splits_the_rollout_into_chunks(chat_model, tmp_path):
 def test_the_vllm_backend_serves_the_rollouts(chat_model, tmp_path):
     """engine.backend: vllm routes generation to VLLMEngine (against the stand-in vllm
     module: real vLLM is not installed here), which pushes the adapter every rollout."""
-    from tests.rollout.test_vllm_backend import FakeLLM
+    from tests.fake_vllm import FakeLLM
 
     raw = settings(chat_model, tmp_path, "qerl", max_steps=2)
     raw["engine"] = {"backend": "vllm"}

@@ -1,0 +1,66 @@
+"""A stand-in ``vllm`` module with vLLM 0.31's API shape (vLLM is not installable on these
+machines): the ``fake_vllm`` fixture installs it; ``FakeLLM.instances`` records what the
+backends asked of it."""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+
+@dataclass
+class LoRARequest:
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+class FakeLLM:
+    """Records requests; its 'model' is a transformers model with vLLM's parameter names."""
+
+    instances: ClassVar[list] = []
+
+    def __init__(self, model: str, **kwargs):
+        from transformers import AutoConfig
+
+        self.model_path, self.kwargs, self.calls = model, kwargs, []
+        self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+        FakeLLM.instances.append(self)
+
+    def apply_model(self, func):
+        self.calls.append("apply_model")
+        return [func(self.model)]
+
+    def generate(self, prompts, sampling, lora_request, use_tqdm):
+        from pathlib import Path
+
+        assert (Path(lora_request.lora_path) / "adapter_config.json").is_file()
+        self.calls.append(("generate", sampling.kwargs, lora_request))
+        outs = []
+        for i, prompt in enumerate(prompts):
+            ids = [len(prompt["prompt_token_ids"]), 7, 9][: 2 + i % 2]
+            steps = [{t: types.SimpleNamespace(logprob=-0.5 * (k + 1))} for k, t in
+                     enumerate(ids)]
+            completion = types.SimpleNamespace(token_ids=ids, logprobs=steps,
+                                               finish_reason="stop" if i % 2 else "length")
+            outs.append(types.SimpleNamespace(outputs=[completion]))
+        return outs
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = FakeLLM
+    vllm.SamplingParams = lambda **kwargs: types.SimpleNamespace(kwargs=kwargs)
+    lora = types.ModuleType("vllm.lora")
+    request = types.ModuleType("vllm.lora.request")
+    request.LoRARequest = LoRARequest
+    for name, module in (("vllm", vllm), ("vllm.lora", lora), ("vllm.lora.request", request)):
+        monkeypatch.setitem(sys.modules, name, module)
+    FakeLLM.instances = []
+    return vllm
