@@ -170,6 +170,8 @@ def evaluate(model: str, benches: list[str], out_dir: Path, settings: EvalSettin
     stray = sorted(set(data or {}) - set(benches))
     if stray:
         raise EvalError(f"data files given for benchmarks not asked for: {stray}")
+    if fields and not data:
+        raise EvalError("fields name the columns of local data files: give them with data")
     if method is None:
         method = ("qerl" if is_nvfp4_checkpoint(Path(model)) else
                   "lora" if adapter else "full")

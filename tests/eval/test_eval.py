@@ -82,6 +82,9 @@ def test_bad_requests_are_refused_up_front(chat_model, tmp_path):
     with pytest.raises(PolicyError, match="does not fit this base model.*q_proj"):
         evaluate(str(chat_model), ["gsm8k"], tmp_path / "x", FAST, data=GSM8K,
                  adapter=str(tmp_path / "wide-adapter"))
+    with pytest.raises(EvalError, match="fields name the columns"):
+        evaluate(str(chat_model), ["gsm8k"], tmp_path, FAST, fields={"question": "q",
+                                                                     "answer": "a"})
     assert cli(["eval", "--model", str(chat_model), "--bench", "aime24,nope",
                 "--out", str(tmp_path / "y")]) == 2
 
