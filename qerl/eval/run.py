@@ -6,7 +6,8 @@ training reward (math-verify), and report avg@k, pass@1 and pass@k.
       <bench>.jsonl     one line per (problem, sample): prompt, completion, extracted
                         answer, gold answer, score — appended batch by batch, so a killed
                         run resumes where it stopped
-      summary.json/csv  per benchmark: problems, samples, avg@k, pass@1, pass@k
+      summary.json/csv  per benchmark: problems, samples, avg@k, pass@1, pass@k, with the
+                        card, library versions, model, adapter and sampling settings
 
 The policy is evaluated as trained: an adapter is applied (unmerged, like in training) to
 its base — BF16, NVFP4 or NF4 — so what is measured is what was trained.
@@ -20,6 +21,7 @@ import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from qerl.bench.record import provenance
 from qerl.errors import QerlError
 from qerl.eval.metrics import summarize
 from qerl.rl.rewards import is_correct, parse_answer
@@ -188,6 +190,10 @@ def evaluate(model: str, benches: list[str], out_dir: Path, settings: EvalSettin
         tok = policy_tokenizer(policy, out_dir / "tokenizer", tokenizer,
                                cpu=device == "cpu")
         rows = [evaluate_bench(b, tasks[b], policy, tok, out_dir, settings) for b in benches]
+    context = {**provenance(device), "model": str(model), "adapter": adapter,
+               "method": method, "temperature": settings.temperature,
+               "top_p": settings.top_p, "max_tokens": settings.max_tokens}
+    rows = [{**context, **row} for row in rows]
     write_summary(out_dir, rows)
     return rows
 

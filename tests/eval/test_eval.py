@@ -44,6 +44,7 @@ def test_eval_writes_every_sample_and_resumes_where_it_stopped(chat_model, tmp_p
     assert records[0]["answer"] == "18" and rows[0]["problems"] == 3
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary[0]["bench"] == "gsm8k" and "pass@2" in summary[0]
+    assert {"card", "torch", "model", "method", "temperature"} <= set(summary[0])
     assert (tmp_path / "summary.csv").is_file()
     # Killed mid-write: two whole lines kept, the third cut short.
     text = (tmp_path / "gsm8k.jsonl").read_text().splitlines(keepends=True)
