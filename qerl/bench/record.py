@@ -24,7 +24,8 @@ def card_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
-def _version(package: str) -> str:
+def version(package: str) -> str:
+    """The installed version of ``package`` (empty if it is not installed)."""
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
@@ -41,7 +42,7 @@ def provenance(device: str) -> dict:
         "device": device,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "triton": _version("triton"),
+        "triton": version("triton"),
     }
 
 

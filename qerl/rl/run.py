@@ -10,16 +10,19 @@ there is one, train, and save the result.
       tokenizer/         the tokenizer the run used
       final/             the trained adapter (LoRA methods) or model (full)
       config.yaml        the configuration as checked
+      provenance.json    card, library versions, number of processes
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 import yaml
 from transformers import TrainerCallback, set_seed
 
+from qerl.bench.record import provenance, version
 from qerl.config import ConfigError, TrainConfig
 from qerl.noise import AQNSettings
 from qerl.policy import LoraSettings, build_policy
@@ -146,6 +149,10 @@ def train(config: TrainConfig, callbacks: list | None = None):
     if main:
         (config.output_dir / "config.yaml").write_text(
             yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+        device = str(next(trainer.policy.model.parameters()).device)
+        (config.output_dir / "provenance.json").write_text(json.dumps(
+            {**provenance(device), "trl": version("trl"), "peft": version("peft"),
+             "processes": trainer.accelerator.num_processes}, indent=2))
     resume = last_checkpoint(config.output_dir)
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     if main:

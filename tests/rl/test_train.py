@@ -4,6 +4,8 @@ logs, and bad configurations are refused before any work."""
 
 from __future__ import annotations
 
+import json
+
 import pandas as pd
 import pytest
 import torch
@@ -51,6 +53,8 @@ def test_each_method_trains(chat_model, tmp_path, method):
     final = tmp_path / "final"
     assert (final / ("model.safetensors" if method == "full" else "adapter_config.json")).is_file()
     assert last_checkpoint(tmp_path).name == "checkpoint-2"
+    assert {"card", "torch", "trl", "processes"} <= set(
+        json.loads((tmp_path / "provenance.json").read_text()))
 
 
 class Interrupt(TrainerCallback):
