@@ -21,10 +21,12 @@ import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
 from qerl.bench.record import provenance
 from qerl.errors import QerlError
 from qerl.eval.metrics import summarize
-from qerl.rl.rewards import is_correct, parse_answer
+from qerl.rl.rewards import matches, parse_answer
 from qerl.rollout import Engine, SamplingParams
 
 SUMMARY = "summary"
@@ -109,8 +111,6 @@ def evaluate_bench(name: str, task, policy, tokenizer, out_dir: Path,
         engine = _engine(policy, settings, min(settings.batch, len(pending)),
                          longest + settings.max_tokens, out_dir)
         stops = {t for t in (tokenizer.eos_token_id, *_generation_eos(policy)) if t is not None}
-        from tqdm import tqdm
-
         bar = tqdm(total=len(pending), desc=name, unit="sample")
         for first in range(0, len(pending), engine.max_batch):
             chunk = pending[first:first + engine.max_batch]
@@ -128,7 +128,7 @@ def evaluate_bench(name: str, task, policy, tokenizer, out_dir: Path,
                               "completion": completion,
                               "extracted": str(extracted[-1]) if extracted else None,
                               "answer": task[i]["answer"],
-                              "score": float(is_correct(completion, task[i]["answer"]))})
+                              "score": float(matches(extracted, task[i]["answer"]))})
             _append(path, batch)
             records.update({(r["id"], r["sample"]): r for r in batch})
             bar.update(len(chunk))

@@ -63,9 +63,13 @@ def parse_gold(answer: str) -> list:
 
 
 def is_correct(completion_text_: str, answer: str) -> bool:
+    return matches(parse_answer(completion_text_), answer)
+
+
+def matches(predicted: list, answer: str) -> bool:
+    """Whether a parsed final answer (``parse_answer``) equals the gold ``answer``."""
     from math_verify import verify
 
-    predicted = parse_answer(completion_text_)
     if not predicted:
         return False
     try:
