@@ -102,6 +102,27 @@ def _eval(args: argparse.Namespace) -> None:
     print(json.dumps(rows, indent=2))
 
 
+def _eval_import(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from qerl.eval.external import import_results
+
+    rows = import_results([Path(p) for p in args.results], Path(args.out))
+    print(json.dumps(rows, indent=2))
+
+
+def _export(args: argparse.Namespace) -> None:
+    from qerl.export import export_for_vllm, export_merged
+    from qerl.policy import build_policy, default_method, load_adapter
+
+    method = args.method or default_method(args.model, args.adapter)
+    policy = build_policy(method, args.model, device=args.device or _default_device())
+    if args.adapter:
+        load_adapter(policy, args.adapter)
+    write = export_for_vllm if args.layout == "vllm" else export_merged
+    print(write(policy, args.out, overwrite=args.overwrite))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qerl", description=__doc__)
     verbs = parser.add_subparsers(dest="verb", required=True)
@@ -162,6 +183,31 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--device", help="default: cuda if available, else cpu")
     e.add_argument("--out", required=True, help="output directory")
     e.set_defaults(run=_eval)
+
+    i = verbs.add_parser(
+        "eval-import", help="read lm-eval / lighteval results into a qerl eval summary",
+        description="Base-model numbers as the paper took them (lm-eval for GSM8K, lighteval "
+                    "for MATH-500 and AIME): each results JSON (or the newest below a folder) "
+                    "becomes summary rows, one per benchmark and metric.")
+    i.add_argument("results", nargs="+", help="results_*.json files or folders holding them")
+    i.add_argument("--out", required=True, help="output directory (summary.json, summary.csv)")
+    i.set_defaults(run=_eval_import)
+
+    x = verbs.add_parser(
+        "export", help="write a model (+ adapter) for lm-eval, lighteval or vLLM",
+        description="merged: one BF16 Hugging Face model, the adapter merged in (a 4-bit base "
+                    "dequantized first), for any transformers user. vllm: the PEFT adapter "
+                    "beside its base (NVFP4 checkpoint for qerl, BF16 for lora).")
+    x.add_argument("--model", required=True, help="model directory, hub id, .gguf or NVFP4 "
+                                                  "checkpoint")
+    x.add_argument("--adapter", help="a trained adapter directory (qerl train's final/)")
+    x.add_argument("--method", choices=["qerl", "lora", "qlora", "full"],
+                   help="default: qerl for an NVFP4 checkpoint, lora with --adapter, else full")
+    x.add_argument("--layout", choices=["merged", "vllm"], default="merged")
+    x.add_argument("--out", required=True, help="output directory")
+    x.add_argument("--overwrite", action="store_true", help="replace --out if we wrote it")
+    x.add_argument("--device", help="default: cuda if available, else cpu")
+    x.set_defaults(run=_export)
 
     b = verbs.add_parser("bench", help="run a benchmark; results go to results/bench/",
                          description="Benchmarks write CSV under results/bench/; "

@@ -83,7 +83,11 @@ def _write_model(policy: Policy, directory: Path, tensors: dict, nvfp4_ignore=No
         keep = t.dtype != torch.float32 or name.endswith("weight_global_scale")
         writer.add(name, t if keep else t.to(torch.bfloat16))
     writer.close()
-    config = policy.config.__class__.from_dict(policy.config.to_dict())
+    settings = policy.config.to_dict()
+    # The source's own quantization (GGUF, a compressed-tensors checkpoint) is gone from
+    # these tensors: a stale entry would make transformers look for the old format.
+    settings.pop("quantization_config", None)
+    config = policy.config.__class__.from_dict(settings)
     config.dtype = torch.bfloat16
     config.save_pretrained(directory)
     if nvfp4_ignore is not None:

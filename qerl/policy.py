@@ -207,6 +207,12 @@ def is_nvfp4_checkpoint(path: Path) -> bool:
     return qc.get("format") == FORMAT
 
 
+def default_method(model: str | Path, adapter: str | Path | None) -> str:
+    """The method a saved model is read with when none is named: qerl for an NVFP4
+    checkpoint, lora for a BF16 base with an adapter, full for a plain model."""
+    return "qerl" if is_nvfp4_checkpoint(Path(model)) else "lora" if adapter else "full"
+
+
 def _config_from_dict(config: dict) -> PretrainedConfig:
     config = {k: v for k, v in config.items() if k != "quantization_config"}
     model_type = config.pop("model_type", None)

@@ -11,11 +11,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qerl.checkpoint import load_checkpoint
+from qerl.cli import main
 from qerl.errors import QerlError
 from qerl.export import export_for_vllm, export_merged
 from qerl.noise import AQNSettings
 from qerl.policy import LoraSettings, PolicyError, build_policy, load_adapter
-from tests.conftest import fresh_seed
+from tests.conftest import fresh_seed, require_smollm2
 from tests.test_policy import IDS, logits, randomize_adapter, rel
 
 
@@ -91,3 +92,19 @@ def test_exports_never_replace_what_qerl_did_not_write(tiny_model_dir, tmp_path)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     export_merged(policy, tmp_path / "out")
     export_merged(policy, tmp_path / "out", overwrite=True)  # our own: replaced
+
+
+def test_export_cli_turns_a_gguf_model_into_a_plain_transformers_model(tmp_path):
+    """What lm-eval and lighteval load: no trace of the GGUF left in the config, and the
+    same logits as transformers' own reading of the GGUF."""
+    smollm2 = require_smollm2()
+    out = tmp_path / "smollm2"
+    assert main(["export", "--model", str(smollm2), "--out", str(out), "--device", "cpu"]) == 0
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    ids = torch.tensor([[1, 504, 3094, 314, 2226, 30]])
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)(ids).logits
+        want = AutoModelForCausalLM.from_pretrained(
+            smollm2.parent, gguf_file=smollm2.name, dtype=torch.bfloat16)(ids).logits
+    assert torch.equal(got, want)
+    assert AutoTokenizer.from_pretrained(out).chat_template

@@ -162,7 +162,7 @@ def evaluate(model: str, benches: list[str], out_dir: Path, settings: EvalSettin
     otherwise. ``data`` maps a benchmark to a local file, ``fields`` its columns."""
     import torch
 
-    from qerl.policy import build_policy, is_nvfp4_checkpoint, load_adapter
+    from qerl.policy import build_policy, default_method, load_adapter
     from qerl.rl.data import HUB, load_task
     from qerl.tokenizer import policy_tokenizer
 
@@ -174,9 +174,7 @@ def evaluate(model: str, benches: list[str], out_dir: Path, settings: EvalSettin
         raise EvalError(f"data files given for benchmarks not asked for: {stray}")
     if fields and not data:
         raise EvalError("fields name the columns of local data files: give them with data")
-    if method is None:
-        method = ("qerl" if is_nvfp4_checkpoint(Path(model)) else
-                  "lora" if adapter else "full")
+    method = method or default_method(model, adapter)
     if adapter and method == "full":
         raise EvalError("an adapter needs a LoRA method (qerl, lora or qlora), not full")
     tasks = {b: load_task(b, path=(data or {}).get(b), split=None, limit=limit,
