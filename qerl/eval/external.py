@@ -16,7 +16,8 @@ from pathlib import Path
 
 from qerl.eval.run import EvalError, write_summary
 
-# The tools' task names -> ours (a "_local" copy reads the same data from a file).
+# The tools' task names -> ours. Copies of their tasks carry a suffix: "_local" (lm-eval,
+# data from a file) or "_qerl" (lighteval, workflows/scripts/lighteval_tasks.py).
 BENCHES = {"gsm8k": "gsm8k", "math_500": "math500", "aime24": "aime24", "aime25": "aime25",
            "amc23": "amc23"}
 
@@ -34,10 +35,10 @@ def results_file(path: Path) -> Path:
 
 
 def bench_of(task: str) -> str:
-    """'gsm8k', 'gsm8k_local', 'lighteval|math_500|0', 'math_500_local|0' -> ours."""
+    """'gsm8k', 'gsm8k_local', 'lighteval|math_500|0', 'math_500_qerl|0' -> ours."""
     parts = task.split("|")
     name = parts[1] if len(parts) == 3 else parts[0]
-    name = name.removesuffix("_local")
+    name = name.removesuffix("_local").removesuffix("_qerl")
     if name not in BENCHES:
         raise EvalError(f"task {task!r} is none of the benchmarks we compare "
                         f"({', '.join(BENCHES)})")

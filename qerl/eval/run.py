@@ -187,12 +187,14 @@ def evaluate(model: str, benches: list[str], out_dir: Path, settings: EvalSettin
             load_adapter(policy, adapter)
         tok = policy_tokenizer(policy, out_dir / "tokenizer", tokenizer,
                                cpu=device == "cpu")
-        rows = [evaluate_bench(b, tasks[b], policy, tok, out_dir, settings) for b in benches]
-    context = {**provenance(device), "model": str(model), "adapter": adapter,
-               "method": method, "temperature": settings.temperature,
-               "top_p": settings.top_p, "max_tokens": settings.max_tokens}
-    rows = [{**context, **row} for row in rows]
-    write_summary(out_dir, rows)
+        context = {**provenance(device), "model": str(model), "adapter": adapter,
+                   "method": method, "temperature": settings.temperature,
+                   "top_p": settings.top_p, "max_tokens": settings.max_tokens}
+        rows = []
+        for bench in benches:
+            rows.append({**context, **evaluate_bench(bench, tasks[bench], policy, tok, out_dir,
+                                                     settings)})
+            write_summary(out_dir, rows)  # a run cut short keeps its finished benchmarks'
     return rows
 
 

@@ -17,6 +17,7 @@ from tests.rl.test_rewards import DATA
 from tests.test_policy import randomize_adapter
 
 GSM8K = {"gsm8k": str(DATA / "gsm8k_test.jsonl")}
+MATH500 = str(DATA / "math500_test.jsonl")
 FAST = EvalSettings(samples=2, max_tokens=4, batch=4)
 
 
@@ -55,6 +56,25 @@ def test_eval_writes_every_sample_and_resumes_where_it_stopped(chat_model, tmp_p
     with pytest.raises(EvalError, match="other settings"):
         evaluate(str(chat_model), ["gsm8k"], tmp_path, EvalSettings(samples=3), data=GSM8K,
                  limit=3)
+
+
+def test_a_run_cut_short_keeps_its_finished_benchmarks_summary(chat_model, tmp_path,
+                                                             monkeypatch):
+    from qerl.eval import run
+
+    finish = run.evaluate_bench
+
+    def cut_at_math500(name, *args):
+        if name == "math500":
+            raise KeyboardInterrupt
+        return finish(name, *args)
+
+    monkeypatch.setattr(run, "evaluate_bench", cut_at_math500)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(str(chat_model), ["gsm8k", "math500"], tmp_path, FAST, limit=2,
+                 data={"gsm8k": GSM8K["gsm8k"], "math500": MATH500})
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [row["bench"] for row in summary] == ["gsm8k"]
 
 
 def test_the_adapter_is_applied(chat_model, tmp_path):
