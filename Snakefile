@@ -1,16 +1,43 @@
 # The paper end to end: quantize -> train -> evaluate -> benchmark -> tables.
-#   snakemake --cores all                                        # smoke (CPU, tiny)
-#   snakemake --cores all --configfile workflows/config/gpu.yaml # or paper.yaml
-# Rules live in workflows/rules/, settings in workflows/config/ (see workflows/README.md).
+#   snakemake --cores all                                          # smoke: CPU, tiny model
+#   snakemake --cores all --configfile workflows/config/gpu.yaml   # one GPU (or paper.yaml)
+#   snakemake --profile workflows/profiles/slurm --configfile workflows/config/paper.yaml
+#   snakemake train_all | eval_all | base_eval_all | bench_all      # one stage
+#   snakemake results/eval/M/R/qerl/summary.csv                    # one target
+# Rules: workflows/rules/; settings and their schema: workflows/config/, workflows/schemas/.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
 
 configfile: "workflows/config/smoke.yaml"
 
 
 include: "workflows/rules/common.smk"
+include: "workflows/rules/quantize.smk"
+include: "workflows/rules/train.smk"
+include: "workflows/rules/eval.smk"
 include: "workflows/rules/base_eval.smk"
+include: "workflows/rules/bench.smk"
+include: "workflows/rules/report.smk"
 
 
 rule all:
-    input:
-        expand(f"{RESULTS}/eval/{{model}}/base/summary.csv",
-               model=config.get("base_eval", {}).get("models", [])),
+    input: f"{RESULTS}/tables/values.csv"
+    default_target: True
+
+
+rule train_all:
+    input: train_targets()
+
+
+rule eval_all:
+    input: eval_targets()
+
+
+rule base_eval_all:
+    input: base_eval_targets()
+
+
+rule bench_all:
+    input: bench_targets()

@@ -111,16 +111,31 @@ def _eval_import(args: argparse.Namespace) -> None:
     print(json.dumps(rows, indent=2))
 
 
+def _report(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from qerl.report.run import PAPER, report
+
+    written = report(Path(args.results), Path(args.paper or PAPER),
+                     Path(args.check) if args.check else None)
+    print(json.dumps(written, indent=2, default=str))
+
+
 def _export(args: argparse.Namespace) -> None:
     from qerl.export import export_for_vllm, export_merged
     from qerl.policy import build_policy, default_method, load_adapter
+    from qerl.tokenizer import load_tokenizer
 
-    method = args.method or default_method(args.model, args.adapter)
-    policy = build_policy(method, args.model, device=args.device or _default_device())
+    if (args.model is None) == (args.arch is None):
+        raise QerlError("give --model or --arch (random weights), not both")
+    method = args.method or (default_method(args.model, args.adapter) if args.model else "full")
+    policy = build_policy(method, args.model, arch=args.arch, seed=args.seed,
+                          device=args.device or _default_device())
     if args.adapter:
         load_adapter(policy, args.adapter)
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     write = export_for_vllm if args.layout == "vllm" else export_merged
-    print(write(policy, args.out, overwrite=args.overwrite))
+    print(write(policy, args.out, overwrite=args.overwrite, tokenizer=tokenizer))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -198,8 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="merged: one BF16 Hugging Face model, the adapter merged in (a 4-bit base "
                     "dequantized first), for any transformers user. vllm: the PEFT adapter "
                     "beside its base (NVFP4 checkpoint for qerl, BF16 for lora).")
-    x.add_argument("--model", required=True, help="model directory, hub id, .gguf or NVFP4 "
-                                                  "checkpoint")
+    x.add_argument("--model", help="model directory, hub id, .gguf or NVFP4 checkpoint")
+    x.add_argument("--arch", help="instead of --model: random weights of a named "
+                                  "architecture (e.g. tiny-llama, qwen2.5-7b)")
+    x.add_argument("--seed", type=int, default=0, help="seed for --arch")
+    x.add_argument("--tokenizer", help="tokenizer to write beside the weights (directory, hub "
+                                       "id, .gguf or packaged GGUF name); needed with --arch")
     x.add_argument("--adapter", help="a trained adapter directory (qerl train's final/)")
     x.add_argument("--method", choices=["qerl", "lora", "qlora", "full"],
                    help="default: qerl for an NVFP4 checkpoint, lora with --adapter, else full")
@@ -208,6 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--overwrite", action="store_true", help="replace --out if we wrote it")
     x.add_argument("--device", help="default: cuda if available, else cpu")
     x.set_defaults(run=_export)
+
+    r = verbs.add_parser(
+        "report", help="tables and figures of the results, the paper's numbers beside them",
+        description="Reads RESULTS/{eval,train,bench} as the workflow writes them; writes "
+                    "RESULTS/tables/*.md|csv (values.csv: every number, one per row) and "
+                    "RESULTS/figures/*.png.")
+    r.add_argument("--results", default="results", help="results folder (default: results)")
+    r.add_argument("--paper", help="the paper's numbers (default: results/reference/paper.csv)")
+    r.add_argument("--check", help="expected values (key,value,tolerance): exit 2 if any "
+                                   "reproduced value is missing or drifted past its tolerance")
+    r.set_defaults(run=_report)
 
     b = verbs.add_parser("bench", help="run a benchmark; results go to results/bench/",
                          description="Benchmarks write CSV under results/bench/; "

@@ -75,7 +75,8 @@ def _collect(module: nn.Module, prefix: str, merge: bool, keep_nvfp4: bool, out:
         _collect(child, f"{prefix}{name}.", merge, keep_nvfp4, out)
 
 
-def _write_model(policy: Policy, directory: Path, tensors: dict, nvfp4_ignore=None) -> None:
+def _write_model(policy: Policy, directory: Path, tensors: dict, nvfp4_ignore=None,
+                 tokenizer=None) -> None:
     writer = ShardWriter(directory)
     for name, t in tensors.items():
         # fp32 here is a norm kept at full precision for AQN or training: stored as BF16,
@@ -92,7 +93,9 @@ def _write_model(policy: Policy, directory: Path, tensors: dict, nvfp4_ignore=No
     config.save_pretrained(directory)
     if nvfp4_ignore is not None:
         add_quantization_config(directory, ignore=nvfp4_ignore)
-    if policy.save_extras is not None:
+    if tokenizer is not None:  # named explicitly: random weights have none of their own
+        tokenizer.save_pretrained(directory)
+    elif policy.save_extras is not None:
         policy.save_extras(directory)
 
 
@@ -101,15 +104,19 @@ def _record(directory: Path, policy: Policy, kind: str) -> None:
         {"kind": kind, "method": policy.method, "source": policy.source}, indent=2))
 
 
-def export_merged(policy: Policy, out: str | Path, overwrite: bool = False) -> Path:
-    """A BF16 model with the adapter (and trained norms) merged in."""
+def export_merged(policy: Policy, out: str | Path, overwrite: bool = False,
+                  tokenizer=None) -> Path:
+    """A BF16 model with the adapter (and trained norms) merged in; ``tokenizer`` replaces
+    the source's tokenizer files."""
     with atomic_directory(out, overwrite, MARKER) as tmp:
-        _write_model(policy, tmp, base_tensors(policy, merge_lora=policy.lora is not None))
+        _write_model(policy, tmp, base_tensors(policy, merge_lora=policy.lora is not None),
+                     tokenizer=tokenizer)
         _record(tmp, policy, "merged")
     return Path(out)
 
 
-def export_for_vllm(policy: Policy, out: str | Path, overwrite: bool = False) -> Path:
+def export_for_vllm(policy: Policy, out: str | Path, overwrite: bool = False,
+                    tokenizer=None) -> Path:
     """``out/adapter`` (PEFT LoRA files) and ``out/base`` (NVFP4 checkpoint for ``qerl``,
     BF16 for ``lora``)."""
     if policy.method not in ("qerl", "lora"):
@@ -123,7 +130,7 @@ def export_for_vllm(policy: Policy, out: str | Path, overwrite: bool = False) ->
             dense_linears = [n.removesuffix(".weight") for n, t in tensors.items()
                              if n.endswith("proj.weight")]
             ignore = ["lm_head", *dense_linears]
-        _write_model(policy, tmp / "base", tensors, nvfp4_ignore=ignore)
+        _write_model(policy, tmp / "base", tensors, nvfp4_ignore=ignore, tokenizer=tokenizer)
         policy.model.save_pretrained(tmp / "adapter")
         _record(tmp, policy, "vllm")
     return Path(out)

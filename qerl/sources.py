@@ -171,6 +171,17 @@ def packaged_gguf(name: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / file
 
 
+def gguf_path(model: str) -> Path | None:
+    """The GGUF file ``model`` names (a packaged name or a ``.gguf`` path), else None."""
+    if model in PACKAGED_GGUF:
+        return packaged_gguf(model)
+    if str(model).endswith(".gguf"):
+        if not Path(model).is_file():
+            raise CheckpointError(f"no such GGUF file: {model}")
+        return Path(model)
+    return None
+
+
 def open_source(model: str | None = None, arch: str | None = None, seed: int = 0) -> Source:
     """``model``: a directory, a ``.gguf`` file, a hub id or a name in ``PACKAGED_GGUF``;
     or ``arch`` for random weights."""
@@ -178,13 +189,10 @@ def open_source(model: str | None = None, arch: str | None = None, seed: int = 0
         return RandomWeights(arch, seed)
     if model is None:
         raise ValueError("give a model (directory, .gguf file or hub id) or an architecture")
-    if model in PACKAGED_GGUF:
-        return GGUFFile(packaged_gguf(model))
+    gguf = gguf_path(model)
+    if gguf is not None:
+        return GGUFFile(gguf)
     path = Path(model)
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise CheckpointError(f"no such GGUF file: {path}")
-        return GGUFFile(path)
     if path.is_dir():
         return HFDirectory(path)
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:

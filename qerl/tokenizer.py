@@ -14,8 +14,18 @@ class TokenizerError(QerlError):
     """No usable tokenizer for the model."""
 
 
+def load_tokenizer(source: str | Path):
+    """A tokenizer from a directory, a hub id, a ``.gguf`` file or a packaged GGUF name."""
+    from qerl.sources import gguf_path
+
+    gguf = gguf_path(str(source))
+    if gguf is not None:
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return AutoTokenizer.from_pretrained(source)
+
+
 def policy_tokenizer(policy, directory: Path, source: str | None = None, cpu: bool = False):
-    """``source`` (a directory or hub id) if given, else the policy's own tokenizer files
+    """``source`` (see ``load_tokenizer``) if given, else the policy's own tokenizer files
     written to ``directory`` (by one process when several run). Needs a chat template:
     prompts are conversations. The pad token falls back to EOS."""
     from accelerate import PartialState
@@ -30,7 +40,7 @@ def policy_tokenizer(policy, directory: Path, source: str | None = None, cpu: bo
                 directory.mkdir(parents=True, exist_ok=True)
                 policy.save_extras(directory)
             source = directory
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = load_tokenizer(source)
     if not tokenizer.chat_template:
         raise TokenizerError(f"the tokenizer from {source} has no chat template; prompts are "
                              "conversations: use an instruct model's tokenizer")

@@ -142,8 +142,47 @@ def build_trainer(config: TrainConfig, callbacks: list | None = None):
                                       *(callbacks or [])])
 
 
+# Settings that may change between a run and its resumption: they change nothing learned.
+RESUMABLE = {"device", "train.report_to", "train.logging_steps", "train.save_steps"}
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def check_same_run(config: TrainConfig) -> None:
+    """A run resumes only with the settings it started with (config.yaml beside it)."""
+    saved = config.output_dir / "config.yaml"
+    if last_checkpoint(config.output_dir) is None or not saved.is_file():
+        return
+    before = _flat(yaml.safe_load(saved.read_text()))
+    now = _flat(config.model_dump(mode="json"))
+    changed = sorted(k for k in before.keys() | now.keys()
+                     if before.get(k) != now.get(k) and k not in RESUMABLE)
+    if changed:
+        raise ConfigError(
+            f"{config.output_dir} holds a run started with other settings "
+            f"({', '.join(f'{k}: {before.get(k)!r} -> {now.get(k)!r}' for k in changed)}); "
+            "resume it with its own settings, or give a new output_dir")
+
+
+def _step(checkpoint: Path) -> int:
+    return json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
+
+
 def train(config: TrainConfig, callbacks: list | None = None):
-    """Train (resuming if ``output_dir`` holds a checkpoint); return the trainer."""
+    """Train (resuming if ``output_dir`` holds a checkpoint); return the trainer. A run
+    whose last checkpoint is its last step is not trained again (transformers would take
+    one more step): its final weights are written from that checkpoint."""
+    from transformers import TrainerState
+
+    check_same_run(config)
     trainer = build_trainer(config, callbacks)
     main = trainer.is_world_process_zero()
     if main:
@@ -154,7 +193,11 @@ def train(config: TrainConfig, callbacks: list | None = None):
             {**provenance(device), "trl": version("trl"), "peft": version("peft"),
              "processes": trainer.accelerator.num_processes}, indent=2))
     resume = last_checkpoint(config.output_dir)
-    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    if resume is not None and _step(resume) >= config.train.max_steps:
+        trainer._load_from_checkpoint(str(resume))
+        trainer.state = TrainerState.load_from_json(str(resume / "trainer_state.json"))
+    else:
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     if main:
         final = config.output_dir / "final"
         if trainer.policy.lora is not None:

@@ -5,6 +5,7 @@ logs, and bad configurations are refused before any work."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pandas as pd
 import pytest
@@ -79,6 +80,26 @@ def test_an_interrupted_run_resumes_exactly(chat_model, tmp_path):
             for d in (whole, broken))
     assert list(b.step) == [1, 2, 3, 4]
     pd.testing.assert_frame_equal(a, b)
+
+
+def test_a_finished_run_is_not_trained_again(chat_model, tmp_path):
+    """Rerunning a finished run (as a workflow does when its final/ is gone) writes the same
+    final adapter from the last checkpoint, logs no step past max_steps, and a changed
+    setting is refused instead of resumed."""
+    from safetensors.torch import load_file
+
+    run(settings(chat_model, tmp_path))
+    adapter = tmp_path / "final" / "adapter_model.safetensors"
+    first = load_file(adapter)
+    shutil.rmtree(tmp_path / "final")
+    trainer = run(settings(chat_model, tmp_path))
+    assert trainer.state.global_step == 2
+    assert list(pd.read_csv(tmp_path / METRICS).step) == [1, 2]
+    again = load_file(adapter)
+    assert first.keys() == again.keys()
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    with pytest.raises(ConfigError, match=r"other settings \(train.learning_rate: 0.001 -> 0.002"):
+        run(settings(chat_model, tmp_path, learning_rate=2e-3))
 
 
 def test_the_cli_trains_from_a_yaml_file(chat_model, tmp_path):

@@ -2,23 +2,29 @@
 # matching) and lighteval for MATH-500, AIME24 and AIME25, each in its own environment
 # (their pins clash with math-verify's: workflows/envs/). `qerl eval-import` reads both into
 # one summary beside qerl eval's. Settings: config["base_eval"]; local data: config["data"].
-BASE = config.get("base_eval", {})
-DATA = config.get("data", {})
+BASE_EVAL = config.get("base_eval", {})
+LIGHTEVAL_TASKS = BASE_EVAL.get("lighteval_tasks", ["math_500", "aime24", "aime25"])
+LIGHTEVAL_SPLIT = {"math_500": "test", "aime24": "train", "aime25": "train"}
+LOCAL_GSM8K = bool(DATA.get("gsm8k_train") and DATA.get("gsm8k"))
 
 
-def model_inputs(w):
-    return [f"{WORK}/models/{w.model}/bf16"] if needs_export(w.model) else []
+def lm_eval_task_input(wildcards):
+    return [f"{WORK}/eval/lm-eval-tasks/gsm8k_local.yaml"] if LOCAL_GSM8K else []
 
 
-def lm_eval_task_args():
-    if DATA.get("gsm8k_train") and DATA.get("gsm8k"):
-        return f"--include_path {WORK}/eval/lm-eval-tasks --tasks gsm8k_local"
-    return "--tasks gsm8k"
+def lighteval_data_input(wildcards):
+    """Local files of the lighteval tasks that have one (the rest read the hub)."""
+    return [f"{WORK}/eval/lighteval-data/{task}/{LIGHTEVAL_SPLIT[task]}.jsonl"
+            for task in LIGHTEVAL_TASKS if DATA.get(task.replace("_", ""))]
+
+
+def lighteval_source(wildcards):
+    return DATA[wildcards.task.replace("_", "")]
 
 
 rule lm_eval_local_task:
     input:
-        env_marker("lm-eval"),
+        env_python("lm-eval"),
         train=DATA.get("gsm8k_train", []),
         test=DATA.get("gsm8k", []),
     output: f"{WORK}/eval/lm-eval-tasks/gsm8k_local.yaml"
@@ -30,21 +36,19 @@ rule lm_eval_local_task:
 
 
 rule lm_eval_gsm8k:
-    input:
-        model_inputs,
-        env_marker("lm-eval"),
-        task=lambda w: ([f"{WORK}/eval/lm-eval-tasks/gsm8k_local.yaml"]
-                        if "gsm8k_local" in lm_eval_task_args() else []),
+    input: base_model_input, lm_eval_task_input, env_python("lm-eval")
     output: directory(f"{WORK}/eval/{{model}}/base/lm-eval")
     log: f"{WORK}/logs/lm_eval_gsm8k/{{model}}.log"
+    benchmark: f"{WORK}/benchmarks/lm_eval_gsm8k/{{model}}.tsv"
     params:
         bin=env_bin("lm-eval"),
-        model=lambda w: hf_model(w.model),
-        tasks=lm_eval_task_args(),
-        device=config.get("device", "cuda"),
-        batch=BASE.get("batch_size", "auto"),
-        limit=f"--limit {BASE['limit']}" if BASE.get("limit") else "",
-    resources: gpu=lambda w: int(config.get("device", "cuda") == "cuda"), mem_mb=32000
+        model=base_model_of,
+        tasks=(f"--include_path {WORK}/eval/lm-eval-tasks --tasks gsm8k_local" if LOCAL_GSM8K
+               else "--tasks gsm8k"),
+        batch=BASE_EVAL.get("batch_size", "auto"),
+        limit=f"--limit {BASE_EVAL['limit']}" if BASE_EVAL.get("limit") else "",
+        device=DEVICE,
+    resources: gpu=USES_GPU, mem_mb=32000
     shell:
         "{params.bin}/lm_eval run --model hf "
         "--model_args pretrained={params.model},dtype=bfloat16 --device {params.device} "
@@ -53,37 +57,31 @@ rule lm_eval_gsm8k:
 
 
 rule lighteval_data:
-    """lighteval reads a folder per task: link the configured local files into one."""
-    input: lambda w: DATA.get(w.task.replace("_", ""), [])
+    """lighteval reads a folder per task: link the configured local file into one."""
+    input: lighteval_source
     output: f"{WORK}/eval/lighteval-data/{{task}}/{{split}}.jsonl"
-    shell: "ln -sf $(realpath {input}) {output}"
-
-
-def lighteval_inputs(w):
-    split = {"math_500": "test", "aime24": "train", "aime25": "train"}
-    return [f"{WORK}/eval/lighteval-data/{task}/{split[task]}.jsonl"
-            for task in BASE.get("lighteval_tasks", ["math_500", "aime24", "aime25"])
-            if DATA.get(task.replace("_", ""))]
+    log: f"{WORK}/logs/lighteval_data/{{task}}_{{split}}.log"
+    shell: "ln -sf $(realpath {input}) {output} 2> {log}"
 
 
 rule lighteval_math:
-    input: model_inputs, lighteval_inputs, env_marker("lighteval"),
+    input: base_model_input, lighteval_data_input, env_python("lighteval")
     output: directory(f"{WORK}/eval/{{model}}/base/lighteval")
     log: f"{WORK}/logs/lighteval_math/{{model}}.log"
+    benchmark: f"{WORK}/benchmarks/lighteval_math/{{model}}.tsv"
     params:
         bin=env_bin("lighteval"),
-        model=lambda w: hf_model(w.model),
-        device=config.get("device", "cuda"),
-        batch=BASE.get("batch_size_lighteval", 8),
-        tasks=",".join(f"{t}_qerl|0" for t in
-                       BASE.get("lighteval_tasks", ["math_500", "aime24", "aime25"])),
-        samples=f"--max-samples {BASE['limit']}" if BASE.get("limit") else "",
-        max_tokens=BASE.get("max_tokens", 32768),
+        model=base_model_of,
+        batch=BASE_EVAL.get("batch_size_lighteval", 8),
+        tasks=",".join(f"{task}_qerl|0" for task in LIGHTEVAL_TASKS),
+        samples=f"--max-samples {BASE_EVAL['limit']}" if BASE_EVAL.get("limit") else "",
+        max_tokens=BASE_EVAL.get("max_tokens", 32768),
         data=f"{WORK}/eval/lighteval-data",
-    resources: gpu=lambda w: int(config.get("device", "cuda") == "cuda"), mem_mb=32000
+        device=DEVICE,
+    resources: gpu=USES_GPU, mem_mb=32000
     shell:
-        "QERL_LIGHTEVAL_DATA={params.data} QERL_LIGHTEVAL_MAX_TOKENS={params.max_tokens} "
-        "{params.bin}/lighteval accelerate "
+        "QERL_LIGHTEVAL_DATA={params.data} "
+        "QERL_LIGHTEVAL_MAX_TOKENS={params.max_tokens} {params.bin}/lighteval accelerate "
         "'model_name={params.model},device={params.device},dtype=bfloat16,"
         "batch_size={params.batch},generation_parameters={{temperature:0.0}}' "
         "'{params.tasks}' --custom-tasks workflows/scripts/lighteval_tasks.py "
@@ -94,7 +92,7 @@ rule base_eval_summary:
     input:
         lm_eval=f"{WORK}/eval/{{model}}/base/lm-eval",
         lighteval=f"{WORK}/eval/{{model}}/base/lighteval",
-    output: f"{RESULTS}/eval/{{model}}/base/summary.csv"
+    output: f"{RESULTS}/eval/{{model}}/base/external/summary.csv"
     log: f"{WORK}/logs/base_eval_summary/{{model}}.log"
     shell:
         "qerl eval-import {input.lm_eval} {input.lighteval} --out $(dirname {output}) "

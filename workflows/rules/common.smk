@@ -1,20 +1,100 @@
-# Shared by every rule file: where things go, which model is which, side environments.
+# Shared by every rule file: where things go, which model is which, side environments, and
+# the checks that make a bad configuration fail before any job runs.
+import shutil
+import subprocess
 from pathlib import Path
 
-WORK = config.get("work_dir", "work")  # intermediate files (models, runs, tool outputs)
-RESULTS = config.get("results_dir", "results")
-MODELS = config["models"]  # name -> directory, hub id, .gguf file or a packaged GGUF name
+from snakemake.exceptions import WorkflowError
+from snakemake.utils import validate
+
+validate(config, "../schemas/config.schema.yaml")
+
+WORK = config["work_dir"]  # intermediate files: models, runs (checkpoints), tool outputs
+RESULTS = config["results_dir"]  # what the report reads
+DEVICE = config["device"]
+MODELS = config["models"]  # name -> directory, hub id, .gguf, packaged GGUF name or arch:NAME
+DATA = config.get("data", {})  # benchmark or task -> local file (else the hub)
 PACKAGED_GGUF = {"smollm2-135m-instruct"}
+USES_GPU = int(DEVICE == "cuda")
+
+
+def _check_models():
+    tokenizers = config.get("tokenizers", {})
+    for name, source in MODELS.items():
+        source = str(source)
+        if source.startswith("arch:"):
+            if not tokenizers.get(name):
+                raise WorkflowError(f"model {name}: random weights need tokenizers.{name}")
+            continue
+        if source in PACKAGED_GGUF:
+            continue
+        local = source.startswith((".", "/", "~")) or source.endswith(".gguf")
+        if local and not Path(source).expanduser().exists():
+            raise WorkflowError(f"model {name}: {source} does not exist")
+        if not local and source.count("/") != 1:
+            raise WorkflowError(f"model {name}: {source!r} is neither a local path, a "
+                                "hub id (org/name), a packaged GGUF name nor arch:NAME")
+
+
+def _check_gpu():
+    """A GPU configuration on a machine without one fails now, not at its first GPU job.
+    Not checked for dry runs, or where jobs run on other machines (a cluster executor)."""
+    if DEVICE != "cuda" or workflow.dryrun or not workflow.is_main_process:
+        return
+    plugin = workflow.executor_plugin
+    if plugin is not None and plugin.name not in ("local", "touch"):
+        return
+    smi = shutil.which("nvidia-smi")
+    found = smi and subprocess.run([smi, "-L"], capture_output=True, text=True).stdout.strip()
+    if not found:
+        raise WorkflowError("this configuration runs on a CUDA GPU (device: cuda) and none is "
+                            "visible here: use the smoke config, a GPU machine, or a cluster "
+                            "profile (--profile workflows/profiles/slurm)")
+
+
+def _check_names():
+    """Every model a stage names must be among `models`."""
+    named = {"train.models": config.get("train", {}).get("models", []),
+             "eval.base_models": config.get("eval", {}).get("base_models", []),
+             "base_eval.models": config.get("base_eval", {}).get("models", [])}
+    for where, names in named.items():
+        for name in names:
+            if name not in MODELS:
+                raise WorkflowError(f"{where} names {name!r}, which is not in models "
+                                    f"({', '.join(MODELS)})")
+
+
+_check_models()
+_check_names()
+_check_gpu()
 
 
 def needs_export(model):
-    """lm-eval and lighteval read Hugging Face models: a GGUF is exported to BF16 first."""
+    """Random weights and GGUF files become a BF16 Hugging Face folder first: every tool
+    downstream (qerl, lm-eval, lighteval) then reads the same thing."""
     source = str(MODELS[model])
-    return source.endswith(".gguf") or source in PACKAGED_GGUF
+    return source.startswith("arch:") or source.endswith(".gguf") or source in PACKAGED_GGUF
 
 
-def hf_model(model):
+def base_model(model):
+    """What tools read as the BF16 model: the exported folder or the configured source."""
     return f"{WORK}/models/{model}/bf16" if needs_export(model) else MODELS[model]
+
+
+def base_model_of(wildcards):
+    return base_model(wildcards.model)
+
+
+def base_model_input(wildcards):
+    return [base_model(wildcards.model)] if needs_export(wildcards.model) else []
+
+
+def export_args(wildcards):
+    source = str(MODELS[wildcards.model])
+    if source.startswith("arch:"):
+        tokenizer = config["tokenizers"][wildcards.model]
+        return f"--arch {source.removeprefix('arch:')} --tokenizer {tokenizer}"
+    return f"--model {source}"
 
 
 def env_bin(name):
@@ -22,8 +102,7 @@ def env_bin(name):
     return config.get("envs", {}).get(name, f".venvs/{name}/bin")
 
 
-def env_marker(name):
-    """What a rule waits for before using an environment: its python, once it exists."""
+def env_python(name):
     return f"{env_bin(name)}/python"
 
 
@@ -38,9 +117,9 @@ rule side_env:
 
 
 rule export_bf16:
-    """A BF16 Hugging Face copy of a GGUF model, for the external evaluators."""
+    """A BF16 Hugging Face folder of a GGUF model or of random weights (arch:NAME)."""
     output: directory(f"{WORK}/models/{{model}}/bf16")
-    params: source=lambda w: MODELS[w.model]
+    params: source=export_args, device=DEVICE
     log: f"{WORK}/logs/export_bf16/{{model}}.log"
-    resources: mem_mb=16000
-    shell: "qerl export --model {params.source} --out {output} > {log} 2>&1"
+    resources: mem_mb=16000, gpu=USES_GPU
+    shell: "qerl export {params.source} --device {params.device} --out {output} > {log} 2>&1"

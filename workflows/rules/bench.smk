@@ -1,0 +1,27 @@
+# Benchmarks (config["bench"]: name -> its options). Each writes CSVs named after the card
+# into its own folder; `qerl bench NAME --help` lists the options.
+BENCH = config.get("bench", {})
+FILE_OUTPUT = {"quantize", "fidelity"}  # these take --out FILE, the others --out-dir
+CPU_CAPABLE = {"quantize", "fidelity"}
+
+
+def bench_args(wildcards):
+    return BENCH[wildcards.bench] or ""
+
+
+def bench_out(wildcards, output):
+    if wildcards.bench in FILE_OUTPUT:
+        return f"--out {output[0]}/{wildcards.bench}.csv"
+    return f"--out-dir {output[0]}"
+
+
+def bench_gpu(wildcards):
+    return int(wildcards.bench not in CPU_CAPABLE or DEVICE == "cuda")
+
+
+rule bench:
+    output: directory(f"{RESULTS}/bench/{{bench}}")
+    params: args=bench_args, out=bench_out
+    log: f"{WORK}/logs/bench/{{bench}}.log"
+    resources: gpu=bench_gpu, mem_mb=64000
+    shell: "mkdir -p {output} && qerl bench {wildcards.bench} {params.args} {params.out} > {log} 2>&1"

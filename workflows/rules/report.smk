@@ -1,0 +1,41 @@
+# Tables and figures of everything above, the paper's numbers beside them; with
+# report.check set, the run fails when a reproduced number drifts past its tolerance.
+REPORT = config.get("report", {})
+
+
+def train_targets():
+    grid = config.get("train", {})
+    skip = set(grid.get("exclude", []))
+    return [f"{RESULTS}/train/{model}/{recipe}/{method}/metrics.csv"
+            for model in grid.get("models", []) for recipe in grid.get("recipes", {})
+            for method in grid.get("methods", []) if f"{model}/{recipe}/{method}" not in skip]
+
+
+def eval_targets():
+    trained = [path.replace("/train/", "/eval/").replace("metrics.csv", "summary.csv")
+               for path in train_targets()] if EVAL.get("trained", True) else []
+    base = [f"{RESULTS}/eval/{model}/base/{weights}/summary.csv"
+            for model in EVAL.get("base_models", [])
+            for weights in EVAL.get("base_weights", ["bf16", "nvfp4"])]
+    return trained + base
+
+
+def base_eval_targets():
+    return [f"{RESULTS}/eval/{model}/base/external/summary.csv"
+            for model in BASE_EVAL.get("models", [])]
+
+
+def bench_targets():
+    return [f"{RESULTS}/bench/{name}" for name in BENCH]
+
+
+def check_arg():
+    return f"--check {REPORT['check']}" if REPORT.get("check") else ""
+
+
+rule report:
+    input: train_targets(), eval_targets(), base_eval_targets(), bench_targets()
+    output: f"{RESULTS}/tables/values.csv"
+    params: check=check_arg(), results=RESULTS
+    log: f"{WORK}/logs/report.log"
+    shell: "qerl report --results {params.results} {params.check} > {log} 2>&1"

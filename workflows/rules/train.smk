@@ -1,0 +1,52 @@
+# RL runs: model x method x recipe (config["train"]). A run's folder under WORK keeps its
+# checkpoints: a rerun resumes from the last one (qerl train), so it is never an output that
+# Snakemake would delete. What the report reads is copied to RESULTS.
+TRAIN = config.get("train", {})
+
+
+def policy_model(wildcards):
+    """qerl trains on the NVFP4 checkpoint, the other methods on the BF16 model."""
+    if wildcards.method == "qerl":
+        return f"{WORK}/models/{wildcards.model}/nvfp4"
+    return base_model(wildcards.model)
+
+
+def policy_model_input(wildcards):
+    model = policy_model(wildcards)
+    return [model] if model.startswith(f"{WORK}/") else []
+
+
+def recipe_file(wildcards):
+    return TRAIN["recipes"][wildcards.recipe]
+
+
+def train_overrides(wildcards):
+    """--set options: the model, method, run folder, the method's learning rate and the
+    configuration's own overrides (e.g. fewer steps in smoke)."""
+    sets = {"model": policy_model(wildcards), "method": wildcards.method,
+            "output_dir": f"{WORK}/runs/{wildcards.model}/{wildcards.recipe}/{wildcards.method}",
+            "device": DEVICE, **TRAIN.get("set", {})}
+    rate = TRAIN.get("learning_rates", {}).get(wildcards.method)
+    if rate is not None:
+        sets["train.learning_rate"] = rate
+    tokenizer = config.get("tokenizers", {}).get(wildcards.model)
+    if tokenizer:
+        sets["tokenizer"] = tokenizer
+    return " ".join(f"--set {key}={value}" for key, value in sets.items())
+
+
+rule train:
+    input: policy_model_input, recipe=recipe_file
+    output:
+        metrics=f"{RESULTS}/train/{{model}}/{{recipe}}/{{method}}/metrics.csv",
+        final=directory(f"{WORK}/runs/{{model}}/{{recipe}}/{{method}}/final"),
+    params:
+        sets=train_overrides,
+        run=f"{WORK}/runs/{{model}}/{{recipe}}/{{method}}",
+    log: f"{WORK}/logs/train/{{model}}/{{recipe}}/{{method}}.log"
+    benchmark: f"{WORK}/benchmarks/train/{{model}}/{{recipe}}/{{method}}.tsv"
+    resources: gpu=USES_GPU, mem_mb=64000
+    shell:
+        "qerl train --config {input.recipe} {params.sets} > {log} 2>&1 && "
+        "cp {params.run}/metrics.csv {params.run}/config.yaml {params.run}/provenance.json "
+        "$(dirname {output.metrics})/"
