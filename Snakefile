@@ -10,7 +10,10 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
-configfile: "workflows/config/smoke.yaml"
+# smoke unless --configfile names others: they replace it rather than merge into it.
+if not workflow.overwrite_configfiles:
+
+    configfile: "workflows/config/smoke.yaml"
 
 
 include: "workflows/rules/common.smk"
@@ -20,6 +23,10 @@ include: "workflows/rules/eval.smk"
 include: "workflows/rules/base_eval.smk"
 include: "workflows/rules/bench.smk"
 include: "workflows/rules/report.smk"
+
+
+onstart:
+    check_gpu()
 
 
 rule all:

@@ -1,6 +1,7 @@
 """Real Qwen2.5 architectures (the Instruct models' config.json fields), shipped as data,
 and tiny-llama: SmolLM2-135M's vocabulary and layout at 2 layers of width 64 (the smoke
-workflow's model, with SmolLM2's tokenizer).
+workflow's model, with SmolLM2's tokenizer; weights drawn with std 0.3, so that its
+next-token distributions are far from uniform and quantization visibly changes them).
 
 Used to build paper-scale models with random weights: speed and memory do not depend on
 the weights' values. Sources: the Qwen2.5 *-Instruct config.json files on the model hub.

@@ -29,6 +29,8 @@ def _eval(results: Path) -> list[dict]:
     rows = []
     for summary in sorted(results.glob("eval/*/*/*/summary.csv")):
         model, recipe, method = summary.parts[-4:-1]
+        if method == "external":  # lm-eval / lighteval rows: below
+            continue
         table = pd.read_csv(summary)
         for record in table.to_dict("records"):
             metrics = [c for c in table.columns if c.startswith(EVAL_METRICS)]
@@ -36,7 +38,7 @@ def _eval(results: Path) -> list[dict]:
                       "bench": record["bench"], "metric": m, "value": record[m],
                       "source": str(summary)} for m in metrics]
     for summary in sorted(results.glob("eval/*/base/external/summary.csv")):
-        model = summary.parts[-5]
+        model = summary.parts[-4]
         for record in pd.read_csv(summary).to_dict("records"):
             rows.append({"kind": "external", "model": model, "recipe": "base",
                          "method": record["tool"], "bench": record["bench"],

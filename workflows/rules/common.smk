@@ -36,10 +36,10 @@ def _check_models():
                                 "hub id (org/name), a packaged GGUF name nor arch:NAME")
 
 
-def _check_gpu():
-    """A GPU configuration on a machine without one fails now, not at its first GPU job.
-    Not checked for dry runs, or where jobs run on other machines (a cluster executor)."""
-    if DEVICE != "cuda" or workflow.dryrun or not workflow.is_main_process:
+def check_gpu():
+    """A GPU configuration on a machine without one fails before its first job (onstart:
+    real runs only), unless jobs run on other machines (a cluster executor)."""
+    if DEVICE != "cuda" or not workflow.is_main_process:
         return
     plugin = workflow.executor_plugin
     if plugin is not None and plugin.name not in ("local", "touch"):
@@ -66,7 +66,6 @@ def _check_names():
 
 _check_models()
 _check_names()
-_check_gpu()
 
 
 def needs_export(model):

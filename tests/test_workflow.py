@@ -1,0 +1,104 @@
+"""The Snakemake workflow, without running it (CI runs the smoke configuration end to end):
+each configuration's dry run lists its jobs, bad configurations fail before any job, and
+the lint finds nothing but what we chose to accept."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).parents[1]
+SNAKEMAKE = shutil.which("snakemake") or str(Path(sys.executable).parent / "snakemake")
+# Accepted lints: the image (Dockerfile) is the environment of every rule, and small input
+# functions live beside the rules that use them.
+ACCEPTED = ("Specify a conda environment or container", "Mixed rules and functions",
+            "Absolute path", "is a prefix of input or output file but hardcoded")
+
+
+def snakemake(*args, config: dict | None = None, tmp: Path | None = None):
+    command = [SNAKEMAKE, *args]
+    if config is not None:
+        path = tmp / "config.yaml"
+        path.write_text(yaml.safe_dump(config))
+        command += ["--configfile", str(path)]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def job_counts(output: str) -> dict[str, int]:
+    lines = output.split("Job stats:")[1].splitlines()[3:]
+    counts = {}
+    for line in lines:
+        parts = line.split()
+        if len(parts) != 2 or not parts[1].isdigit():
+            break
+        counts[parts[0]] = int(parts[1])
+    return counts
+
+
+def config(name: str) -> dict:
+    return yaml.safe_load((ROOT / "workflows" / "config" / f"{name}.yaml").read_text())
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("smoke", {"export_bf16": 1, "quantize": 1, "train": 4, "eval_trained": 4,
+               "eval_base": 2, "report": 1}),
+    ("gpu", {"quantize": 1, "train": 3, "eval_trained": 3, "eval_base": 2,
+             "lm_eval_gsm8k": 1, "lighteval_math": 1, "base_eval_summary": 1, "bench": 5}),
+    # 4 models x 2 recipes x 4 methods, less the 7 full fine-tunes the paper did not run.
+    ("paper", {"quantize": 4, "train": 25, "eval_trained": 25, "eval_base": 8,
+               "lm_eval_gsm8k": 4, "lighteval_math": 4, "side_env": 2, "bench": 4}),
+])
+def test_each_configuration_lists_its_jobs(name, expected):
+    done = snakemake("-n", "--forceall", "--configfile", f"workflows/config/{name}.yaml")
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = job_counts(done.stdout + done.stderr)
+    assert {job: counts.get(job) for job in expected} == expected
+
+
+def test_one_target_reruns_alone():
+    done = snakemake("-n", "--forceall", "work/smoke/results/eval/tiny/base/nvfp4/summary.csv")
+    counts = job_counts(done.stdout + done.stderr)
+    assert done.returncode == 0 and set(counts) <= {"export_bf16", "quantize", "eval_base",
+                                                    "total"}
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.pop("models"), "'models' is a required property"),
+    (lambda c: c.update(device="tpu"), "'tpu' is not one of"),
+    (lambda c: c["train"].update(method=["qerl"]), "Additional properties"),
+    (lambda c: c.update(models={"m": "./no/such/model"}), "does not exist"),
+    (lambda c: c["train"].update(models=["other"]), "train.models names 'other'"),
+    (lambda c: c.update(tokenizers={}), "random weights need tokenizers.tiny"),
+])
+def test_bad_configurations_fail_before_any_job(tmp_path, change, message):
+    bad = config("smoke")  # a whole configuration: given files replace smoke.yaml
+    change(bad)
+    done = snakemake("-n", config=bad, tmp=tmp_path)
+    assert done.returncode != 0
+    assert message in done.stdout + done.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU is visible")
+def test_a_gpu_configuration_without_a_gpu_fails_at_once(tmp_path):
+    gpu = {**config("gpu"), "work_dir": str(tmp_path / "work"),
+           "results_dir": str(tmp_path / "results")}
+    done = snakemake("--cores", "1", config=gpu, tmp=tmp_path)
+    assert done.returncode != 0
+    assert "none is visible here" in done.stdout + done.stderr
+    assert not (tmp_path / "work").exists()  # no job started
+
+
+def test_lint_finds_only_accepted_lints():
+    done = snakemake("--lint")  # text: this version ignores --lint=json
+    found, where = [], None
+    for line in (done.stdout + done.stderr).splitlines():
+        if line.startswith("Lints for "):
+            where = line.removeprefix("Lints for ").rstrip(":")
+        elif line.startswith("    * ") and not any(ok in line for ok in ACCEPTED):
+            found.append(f"{where}: {line[6:]}")
+    assert not found, "\n".join(found)
