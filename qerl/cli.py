@@ -43,6 +43,7 @@ BENCHMARKS = {
     "memory": "qerl.bench.memory",
     "rollout": "qerl.bench.rollout",
     "decode-step": "qerl.bench.decode_step",
+    "step": "qerl.bench.step",
 }
 
 

@@ -120,10 +120,14 @@ class TrainConfig(Section):
     def _consistent(self) -> TrainConfig:
         if (self.model is None) == (self.arch is None):
             raise ValueError("give exactly one of model and arch")
-        if self.train.batch_size % self.rl.num_generations:
-            raise ValueError(f"train.batch_size ({self.train.batch_size}) must be a multiple "
-                             f"of rl.num_generations ({self.rl.num_generations}): each "
-                             "prompt's completions are one group")
+        # A step's rollouts (batch_size x gradient_accumulation_steps completions, sampled
+        # at once) hold whole groups; a micro-batch may cut through one.
+        rollouts = self.train.batch_size * self.train.gradient_accumulation_steps
+        if rollouts % self.rl.num_generations:
+            raise ValueError(f"train.batch_size x train.gradient_accumulation_steps ({rollouts}) "
+                             f"must be a multiple of rl.num_generations "
+                             f"({self.rl.num_generations}): each prompt's completions are "
+                             "one group")
         if self.aqn.sigma_end > self.aqn.sigma_start:
             raise ValueError("aqn.sigma_end must not exceed aqn.sigma_start")
         if self.rl.overlong.enabled and self.rl.overlong.buffer >= self.rl.max_completion_length:

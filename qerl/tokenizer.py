@@ -47,3 +47,26 @@ def policy_tokenizer(policy, directory: Path, source: str | None = None, cpu: bo
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+# The stand-in's chat template: messages' contents, then one token to answer after.
+STAND_IN_CHAT = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}w1{% endif %}")
+
+
+def stand_in_tokenizer(chat: bool = True):
+    """A word-level tokenizer over 128 symbols (w0..w123, <unk>, <s>, </s>, <pad>), for
+    models with random weights: benchmarks render prompts with it, and their speed does not
+    depend on what the tokens say. ``chat`` adds a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(124)} | {"<unk>": 124, "<s>": 125, "</s>": 126,
+                                                 "<pad>": 127}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                                        bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    if chat:
+        tokenizer.chat_template = STAND_IN_CHAT
+    return tokenizer

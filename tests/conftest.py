@@ -15,6 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from qerl.tokenizer import STAND_IN_CHAT, stand_in_tokenizer
 from tests.fake_vllm import fake_vllm  # noqa: F401 (a fixture for every test)
 
 # CI sets this so that a missing optional dependency fails the run instead of skipping.
@@ -71,16 +72,7 @@ def tiny_config(arch: str = "qwen2", hidden: int = 64, intermediate: int = 160, 
 
 def tiny_tokenizer():
     """A word-level tokenizer over 128 symbols: enough to save, reload and encode."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(124)} | {"<unk>": 124, "<s>": 125, "</s>": 126, "<pad>": 127}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-        pad_token="<pad>",
-    )
+    return stand_in_tokenizer(chat=False)
 
 
 def plant_hard_values(model: torch.nn.Module, seed: int) -> None:
@@ -122,8 +114,7 @@ def tiny_model_dir(tmp_path_factory):
 
 
 # A chat template for the tiny tokenizer: prompts are conversations.
-CHAT = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
-        "{% if add_generation_prompt %}w1{% endif %}")
+CHAT = STAND_IN_CHAT
 
 
 @pytest.fixture(scope="session")

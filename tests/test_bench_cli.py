@@ -10,7 +10,31 @@ from qerl.cli import main
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
 @pytest.mark.parametrize("what", ["kernels", "kernel-paths", "memory", "rollout",
-                                  "decode-step"])
+                                  "decode-step", "step"])
 def test_gpu_benchmarks_name_the_missing_gpu(what):
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         main(["bench", what])
+
+
+def test_the_step_benchmark_times_each_phase_against_lora(tmp_path):
+    """qerl bench step's logic on the CPU (its GPU run is the same code): one child
+    process per method, every phase timed, the table's speed relative to LoRA."""
+    import pandas as pd
+
+    from qerl.bench.step import PHASES
+
+    main(["bench", "step", "--archs", "tiny-llama", "--methods", "lora,qerl", "--prompts",
+          "1", "--generations", "2", "--completion", "4", "--micro-batch", "2", "--steps",
+          "2", "--device", "cpu", "--out-dir", str(tmp_path)])
+    rows = pd.read_csv(next(tmp_path.glob("step_*.csv")))
+    assert list(rows.method) == ["lora", "qerl"] and set(rows.status) == {"ok"}
+    assert (rows[[f"{p}_s" for p in PHASES]] > 0).all().all()
+    assert rows.step_s.tolist() == pytest.approx(
+        rows[[f"{p}_s" for p in PHASES]].sum(axis=1).tolist(), abs=2e-3)
+    table = next(tmp_path.glob("step_*.md")).read_text()
+    assert "speed vs lora" in table and "| tiny-llama | lora     | ok" in table
+
+
+def test_the_step_benchmark_refuses_a_micro_batch_that_does_not_divide(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["bench", "step", "--prompts", "1", "--generations", "2", "--micro-batch", "3"])

@@ -82,6 +82,35 @@ class _RestoreNoise(TrainerCallback):
             self.trainer.policy.aqn.restore()
 
 
+class _PhaseTimes(TrainerCallback):
+    """Where an optimizer step's time goes, logged once per step: rollout (the engine),
+    scoring (rewards and the log-probs TRL computes before the loss), train (forward and
+    backward of every micro-batch) and optimizer; and the step's peak GPU memory."""
+
+    def __init__(self, trainer: QerlGRPOTrainer):
+        self.trainer = trainer
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.trainer._phases = dict.fromkeys(PHASES, 0.0)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.start = self.trainer._now()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        phases = {**trainer._phases, "optimizer": trainer._now() - self.start}
+        metrics = trainer._metrics["train"]
+        for phase, seconds in phases.items():
+            metrics[f"time/{phase}_s"].append(seconds)
+        if torch.cuda.is_available():
+            metrics["memory/peak_gb"].append(torch.cuda.max_memory_allocated() / 1e9)
+
+
+PHASES = ("rollout", "score", "train")
+
+
 class QerlGRPOTrainer(GRPOTrainer):
     def __init__(self, policy, config: TrainConfig, tokenizer, train_dataset,
                  callbacks: list | None = None):
@@ -101,6 +130,8 @@ class QerlGRPOTrainer(GRPOTrainer):
                               "would have to agree across processes); turn it off for "
                               "multi-GPU runs")
         self.add_callback(_RestoreNoise(self))
+        self.add_callback(_PhaseTimes(self))
+        self._phases = dict.fromkeys(PHASES, 0.0)
         self._engine: Engine | None = None
         self._rollout_calls = (-1, 0)  # (step, rollouts sampled in it)
 
@@ -163,9 +194,16 @@ class QerlGRPOTrainer(GRPOTrainer):
             tokens += out.tokens
             logprobs += out.logprobs
         seconds = time.perf_counter() - start
+        self._phases["rollout"] += seconds
         self._metrics["train"]["rollout/tokens_per_s"].append(
             sum(map(len, tokens)) / max(seconds, 1e-9))
         return tokens, logprobs
+
+    def _now(self) -> float:
+        """A timestamp after the GPU's queued work (so phases are not blurred)."""
+        if self.accelerator.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     # AQN ----------------------------------------------------------------------------
 
@@ -177,25 +215,29 @@ class QerlGRPOTrainer(GRPOTrainer):
             self._metrics["train"]["aqn/sigma"].append(
                 aqn.settings.sigma(aqn.settings.stage(self.state.global_step,
                                                       aqn.total_steps)))
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
+        start, scoring = self._now(), self._phases["score"] + self._phases["rollout"]
         loss = super().training_step(model, inputs, num_items_in_batch)
-        if torch.cuda.is_available():
-            self._metrics["train"]["memory/peak_gb"].append(
-                torch.cuda.max_memory_allocated() / 1e9)
+        # Generation and scoring, when this micro-batch triggered them, ran inside.
+        spent = self._phases["score"] + self._phases["rollout"] - scoring
+        self._phases["train"] += self._now() - start - spent
         return loss
 
     def _score(self, inputs):
         """TRL's generate-and-score of ``inputs`` (with AQN's noise around it alone, in
-        rollout_only mode)."""
+        rollout_only mode), timed: what is not rollout is scoring."""
+        start, rollout = self._now(), self._phases["rollout"]
         aqn = self.policy.aqn
-        if aqn is not None and aqn.settings.rollout_only:
-            aqn.perturb(self.state.global_step)
-            try:
-                return super()._generate_and_score_completions(inputs)
-            finally:
-                aqn.restore()
-        return super()._generate_and_score_completions(inputs)
+        try:
+            if aqn is not None and aqn.settings.rollout_only:
+                aqn.perturb(self.state.global_step)
+                try:
+                    return super()._generate_and_score_completions(inputs)
+                finally:
+                    aqn.restore()
+            return super()._generate_and_score_completions(inputs)
+        finally:
+            self._phases["score"] += (self._now() - start
+                                      - (self._phases["rollout"] - rollout))
 
     # DAPO dynamic sampling ------------------------------------------------------------
 

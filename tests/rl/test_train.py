@@ -20,7 +20,8 @@ from qerl.tokenizer import TokenizerError
 from tests.conftest import CHAT, require, save_tiny_model, tiny_tokenizer
 
 # Metrics that depend on the clock, not on the run's numbers.
-TIMING = ("step_time", "rollout/tokens_per_s", "train_runtime")
+TIMING = ("step_time", "rollout/tokens_per_s", "train_runtime", "time/rollout_s",
+          "time/score_s", "time/train_s", "time/optimizer_s")
 
 
 def settings(model, out, method="qerl", **train) -> dict:
@@ -47,7 +48,8 @@ def test_each_method_trains(chat_model, tmp_path, method):
     metrics = pd.read_csv(tmp_path / METRICS)
     assert list(metrics.step) == [1, 2]
     for column in ("loss", "reward", "entropy", "rollout/tokens_per_s",
-                   "rewards/overlong_reward/mean", "rewards/accuracy_reward/mean"):
+                   "rewards/overlong_reward/mean", "rewards/accuracy_reward/mean",
+                   "time/rollout_s", "time/score_s", "time/train_s", "time/optimizer_s"):
         assert metrics[column].notna().all(), column
     assert ("aqn/sigma" in metrics) == (method == "qerl")
     assert trainer.state.global_step == 2
@@ -100,6 +102,14 @@ def test_a_finished_run_is_not_trained_again(chat_model, tmp_path):
     assert all(torch.equal(first[k], again[k]) for k in first)
     with pytest.raises(ConfigError, match=r"other settings \(train.learning_rate: 0.001 -> 0.002"):
         run(settings(chat_model, tmp_path, learning_rate=2e-3))
+
+
+def test_a_micro_batch_may_hold_part_of_a_group(chat_model, tmp_path):
+    """One completion per forward/backward, a group of two per step (what a large model
+    needs to fit): the rollout still samples whole groups."""
+    trainer = run(settings(chat_model, tmp_path, batch_size=1, gradient_accumulation_steps=2))
+    assert trainer.state.global_step == 2
+    assert pd.read_csv(tmp_path / METRICS)["reward"].notna().all()
 
 
 def test_the_cli_trains_from_a_yaml_file(chat_model, tmp_path):
