@@ -26,12 +26,12 @@ def test_the_step_benchmark_times_each_phase_against_lora(tmp_path):
     main(["bench", "step", "--archs", "tiny-llama", "--methods", "lora,qerl", "--prompts",
           "1", "--generations", "2", "--completion", "4", "--micro-batch", "2", "--steps",
           "2", "--device", "cpu", "--out-dir", str(tmp_path)])
-    rows = pd.read_csv(next(tmp_path.glob("step_*.csv")))
+    rows = pd.read_csv(next(tmp_path.glob("efficiency_*.csv")))
     assert list(rows.method) == ["lora", "qerl"] and set(rows.status) == {"ok"}
     assert (rows[[f"{p}_s" for p in PHASES]] > 0).all().all()
     assert rows.step_s.tolist() == pytest.approx(
         rows[[f"{p}_s" for p in PHASES]].sum(axis=1).tolist(), abs=2e-3)
-    table = next(tmp_path.glob("step_*.md")).read_text()
+    table = next(tmp_path.glob("efficiency_*.md")).read_text()
     assert "speed vs lora" in table and "| tiny-llama | lora     | ok" in table
 
 

@@ -9,9 +9,9 @@ backward over micro-batches, and the optimizer — `qerl train` itself, a few st
 
 Each (model, method) runs in its own process (a fresh GPU); one that runs out of memory is
 recorded as such, with the memory it had reached. Rows go to
-results/bench/step_<card>.csv (the first step, which captures CUDA graphs and warms up, is
+results/bench/efficiency_<card>.csv (the first step, which captures CUDA graphs and warms up, is
 left out of the medians); the table beside it gives each method's step time against LoRA's
-from the same run.
+from the same run, and the paper's end-to-end speed beside it where it gives one.
 """
 
 from __future__ import annotations
@@ -83,12 +83,20 @@ def table(rows: list[dict]) -> str:
     """Markdown: each method's step and phase times, and its step time against LoRA's."""
     import pandas as pd
 
+    from qerl.report.run import PAPER
+
     frame = pd.DataFrame(rows)
     lora = frame[frame.method == "lora"].set_index("model").step_s
     frame["speed vs lora"] = [lora.get(m) / s if s and lora.get(m) else None
                               for m, s in zip(frame.model, frame.step_s, strict=True)]
+    paper = pd.read_csv(PAPER)
+    paper = paper[paper.metric == "end_to_end_speed"]
+    speed = {(m.lower().removesuffix("-instruct"), method): v
+             for m, method, v in zip(paper.model, paper.method, paper.value, strict=True)}
+    frame["paper speed vs lora"] = [speed.get((m, method)) for m, method
+                                    in zip(frame.model, frame.method, strict=True)]
     columns = ["model", "method", "status", *[f"{p}_s" for p in PHASES], "step_s",
-               "speed vs lora", "rollout_tok_per_s", "peak_gb"]
+               "speed vs lora", "paper speed vs lora", "rollout_tok_per_s", "peak_gb"]
     return frame[[c for c in columns if c in frame]].to_markdown(index=False, floatfmt=".3g")
 
 
@@ -124,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
 
     base = provenance(args.device)
     card = base["card"].replace(" ", "_")
-    path = args.out_dir / f"step_{card}.csv"
+    path = args.out_dir / f"efficiency_{card}.csv"
     settings = {"lora_rank": args.rank, "prompts": args.prompts,
                 "generations": args.generations, "completion": args.completion,
                 "micro_batch": args.micro_batch, "grad_ckpt": int(args.grad_ckpt)}
@@ -144,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(row), flush=True)
             append_rows(path, [row])
             rows.append(row)
-    (args.out_dir / f"step_{card}.md").write_text(table(rows) + "\n")
+    (args.out_dir / f"efficiency_{card}.md").write_text(table(rows) + "\n")
     print(path)
 
 

@@ -3,7 +3,8 @@
     kind, model, recipe, method, bench, metric, value, source
 
 kind is eval (qerl eval summaries, trained and base), external (lm-eval / lighteval base
-numbers), train (every logged step of every run), rollout and kernels (benchmarks). A row's
+numbers), train (every logged step of every run), rollout, kernels and step (benchmarks).
+A row's
 key (``key()``) names it uniquely and stably, so expected values can refer to it.
 """
 
@@ -82,10 +83,23 @@ def _kernels(results: Path) -> list[dict]:
     return rows
 
 
+def _efficiency(results: Path) -> list[dict]:
+    rows = []
+    for csv in sorted(results.glob("bench/**/efficiency_*.csv")):
+        for r in pd.read_csv(csv).to_dict("records"):
+            setting = f"G{r['generations']}-L{r['completion']}-P{r['prompts']}"
+            rows += [{"kind": "step", "model": r["model"], "recipe": r["card"],
+                      "method": r["method"], "bench": setting, "metric": m, "value": r[m],
+                      "source": str(csv)}
+                     for m in ("step_s", "rollout_s", "train_s", "peak_gb") if pd.notna(r[m])]
+    return rows
+
+
 def collect(results: Path) -> pd.DataFrame:
     """Every number under ``results`` (see the module docstring); later rows of the same key
     (a benchmark rerun appends) replace earlier ones."""
-    rows = _eval(results) + _train(results) + _rollout(results) + _kernels(results)
+    rows = (_eval(results) + _train(results) + _rollout(results) + _kernels(results)
+            + _efficiency(results))
     table = pd.DataFrame(rows, columns=COLUMNS)
     if table.empty:
         return table.assign(key=pd.Series(dtype=str))

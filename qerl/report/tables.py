@@ -85,4 +85,25 @@ def kernels(values: pd.DataFrame, paper: pd.DataFrame | None = None) -> pd.DataF
                                                       "speedup"]].reset_index(drop=True)
 
 
-TABLES = {"accuracy": accuracy, "rollout": rollout, "training": training, "kernels": kernels}
+def efficiency(values: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
+    """One RL step per model and method: time, peak memory, speed against LoRA in the same
+    run, and the paper's end-to-end speed against LoRA."""
+    ours = values[values.kind == "step"]
+    if ours.empty:
+        return pd.DataFrame()
+    wide = ours.pivot_table(index=["recipe", "model", "bench", "method"], columns="metric",
+                            values="value").reset_index().rename(
+        columns={"recipe": "card", "bench": "setting"})
+    lora = wide[wide.method == "lora"].set_index(["card", "model", "setting"]).step_s
+    wide["speed vs lora"] = [lora.get((r.card, r.model, r.setting)) / r.step_s
+                             if (r.card, r.model, r.setting) in lora else None
+                             for r in wide.itertuples()]
+    ref = paper[paper.metric == "end_to_end_speed"]
+    speed = {(_paper_model(r.model), r.method): r.value for r in ref.itertuples()}
+    wide["paper speed vs lora"] = [speed.get((_paper_model(r.model), r.method))
+                                   for r in wide.itertuples()]
+    return wide
+
+
+TABLES = {"accuracy": accuracy, "rollout": rollout, "training": training, "kernels": kernels,
+          "efficiency": efficiency}

@@ -42,12 +42,19 @@ def results(tmp_path):
                for w, r, t in [("bf16", 16, 1000.0), ("nvfp4", 16, 1500.0),
                                ("bf16", 32, 900.0), ("nvfp4", 32, 1200.0)]]
     write(root / f"bench/rollout/rollout_{CARD.replace(' ', '_')}.csv", rollout)
+    step = [{"card": CARD, "model": "qwen2.5-7b", "method": m, "generations": 8,
+             "completion": 512, "prompts": 4, "step_s": t, "rollout_s": t - 2,
+             "train_s": 1.5, "peak_gb": 40.0} for m, t in [("lora", 8.0), ("qerl", 6.4)]]
+    write(root / f"bench/step/efficiency_{CARD.replace(' ', '_')}.csv", step)
     return root
 
 
 def test_tables_put_the_papers_numbers_beside_ours(results):
     written = report(results)
-    assert set(written["tables"]) == {"accuracy", "rollout", "training"}
+    assert set(written["tables"]) == {"accuracy", "rollout", "training", "efficiency"}
+    efficiency = pd.read_csv(results / "tables/efficiency.csv").set_index("method")
+    assert efficiency.loc["qerl", "speed vs lora"] == pytest.approx(1.25)
+    assert efficiency.loc["qerl", "paper speed vs lora"] == 1.2
     accuracy = pd.read_csv(results / "tables/accuracy.csv")
     row = accuracy[(accuracy.recipe == "gsm8k") & (accuracy.bench == "gsm8k")].iloc[0]
     assert (row.reproduced, row.paper) == (pytest.approx(90.0), 90.8)
