@@ -38,3 +38,22 @@ def test_the_step_benchmark_times_each_phase_against_lora(tmp_path):
 def test_the_step_benchmark_refuses_a_micro_batch_that_does_not_divide(tmp_path):
     with pytest.raises(SystemExit):
         main(["bench", "step", "--prompts", "1", "--generations", "2", "--micro-batch", "3"])
+
+
+def test_the_entropy_benchmark_compares_weight_formats(chat_model, tmp_path):
+    import pandas as pd
+
+    main(["bench", "entropy", "--model", str(chat_model), "--data",
+          "tests/data/gsm8k_test.jsonl", "--prompts", "4", "--tokens", "4", "--weights",
+          "bf16,nvfp4,nvfp4+aqn", "--device", "cpu", "--out-dir", str(tmp_path)])
+    rows = pd.read_csv(next(tmp_path.glob("entropy_*.csv"))).set_index("weights")
+    assert list(rows.index) == ["bf16", "nvfp4", "nvfp4+aqn"]
+    assert (rows.own_low <= rows.own_entropy).all() and (rows.own_entropy <= rows.own_high).all()
+    assert rows.loc["bf16", "shared_minus_bf16"] == 0  # BF16 scores its own completions
+    assert rows.loc["nvfp4+aqn", "sigma"] == 0.01 and rows.loc["nvfp4", "sigma"] == 0
+    assert next(tmp_path.glob("entropy_*.png")).stat().st_size > 1000
+
+
+def test_the_entropy_benchmark_refuses_unknown_weights():
+    with pytest.raises(SystemExit):
+        main(["bench", "entropy", "--data", "x.jsonl", "--weights", "bf16,int3"])

@@ -110,13 +110,13 @@ def evaluate_bench(name: str, task, policy, tokenizer, out_dir: Path,
         longest = max(len(prompt_ids[i]) for i, _ in pending)
         engine = _engine(policy, settings, min(settings.batch, len(pending)),
                          longest + settings.max_tokens, out_dir)
-        stops = {t for t in (tokenizer.eos_token_id, *_generation_eos(policy)) if t is not None}
+        stops = stop_tokens(policy, tokenizer)
         bar = tqdm(total=len(pending), desc=name, unit="sample")
         for first in range(0, len(pending), engine.max_batch):
             chunk = pending[first:first + engine.max_batch]
             params = SamplingParams(max_new_tokens=settings.max_tokens,
                                     temperature=settings.temperature, top_p=settings.top_p,
-                                    stop_token_ids=tuple(sorted(stops)),
+                                    stop_token_ids=stops,
                                     seed=zlib.crc32(f"{settings.seed}/{name}/{chunk[0]}"
                                                     .encode()))
             out = engine.generate([prompt_ids[i] for i, _ in chunk], params)
@@ -147,9 +147,12 @@ def _engine(policy, settings: EvalSettings, batch: int, seq_len: int, out_dir: P
     return Engine(policy, max_batch=batch, max_seq_len=seq_len)
 
 
-def _generation_eos(policy) -> list[int]:
+def stop_tokens(policy, tokenizer) -> tuple[int, ...]:
+    """Where a completion ends: the tokenizer's EOS and the model's generation EOS tokens
+    (chat models end a turn with the latter)."""
     eos = getattr(policy.base_model.generation_config, "eos_token_id", None)
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return tuple(sorted({t for t in (tokenizer.eos_token_id, *eos) if t is not None}))
 
 
 def evaluate(model: str, benches: list[str], out_dir: Path, settings: EvalSettings,

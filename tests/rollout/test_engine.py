@@ -205,5 +205,12 @@ def test_fused_step_equals_the_models_own_modules(method, tiny_model_dir, tiny_c
         assert torch.allclose(torch.tensor(fused.logprobs), torch.tensor(modules.logprobs),
                               atol=1e-5), seed
     else:
-        first = [lp[:3] for lp in fused.logprobs], [lp[:3] for lp in modules.logprobs]
-        assert torch.allclose(torch.tensor(first[0]), torch.tensor(first[1]), atol=0.1), seed
+        # Compared while the greedy tokens agree, and at the first step where a near tie
+        # (within rounding) picks another token; after that the sequences differ.
+        for a, b, ta, tb in zip(fused.logprobs, modules.logprobs, fused.tokens,
+                                modules.tokens, strict=True):
+            same = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y),
+                        len(ta))
+            upto = min(3, same + 1)
+            assert torch.allclose(torch.tensor(a[:upto]), torch.tensor(b[:upto]),
+                                   atol=0.1), seed
