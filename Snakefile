@@ -2,7 +2,7 @@
 #   snakemake --cores all                                          # smoke: CPU, tiny model
 #   snakemake --cores all --configfile workflows/config/gpu.yaml   # one GPU (or paper.yaml)
 #   snakemake --profile workflows/profiles/slurm --configfile workflows/config/paper.yaml
-#   snakemake train_all | eval_all | base_eval_all | bench_all      # one stage
+#   snakemake train_all | eval_all | base_eval_all | bench_all | science_all  # one stage
 #   snakemake results/eval/M/R/qerl/summary.csv                    # one target
 # Rules: workflows/rules/; settings and their schema: workflows/config/, workflows/schemas/.
 from snakemake.utils import min_version
@@ -22,6 +22,7 @@ include: "workflows/rules/train.smk"
 include: "workflows/rules/eval.smk"
 include: "workflows/rules/base_eval.smk"
 include: "workflows/rules/bench.smk"
+include: "workflows/rules/science.smk"
 include: "workflows/rules/report.smk"
 
 
@@ -48,3 +49,7 @@ rule base_eval_all:
 
 rule bench_all:
     input: bench_targets()
+
+
+rule science_all:
+    input: science_targets()

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="qerl bench entropy", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--data", required=True, help="GSM8K test jsonl (or hub: gsm8k)")
+    parser.add_argument("--data", help="a local GSM8K test jsonl (default: the hub's)")
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--tokens", type=int, default=128, help="completion length")
     parser.add_argument("--weights", default=",".join(VARIANTS))

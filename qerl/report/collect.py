@@ -95,11 +95,37 @@ def _efficiency(results: Path) -> list[dict]:
     return rows
 
 
+def _science(results: Path) -> list[dict]:
+    """The study's runs (science/MODEL/VARIANT/seedN/): every step, the held-out accuracy,
+    and the entropy benchmark."""
+    rows = []
+    for metrics in sorted(results.glob("science/*/*/seed*/metrics.csv")):
+        model, variant, seed = metrics.parts[-4:-1]
+        for record in pd.read_csv(metrics).to_dict("records"):
+            rows += [{"kind": "science", "model": model, "recipe": variant, "method": seed,
+                      "bench": f"step{int(record['step'])}", "metric": m, "value": record[m],
+                      "source": str(metrics)}
+                     for m in ("reward", "entropy") if m in record and pd.notna(record[m])]
+    for summary in sorted(results.glob("science/*/*/seed*/eval/summary.csv")):
+        model, variant, seed = summary.parts[-5:-2]
+        for record in pd.read_csv(summary).to_dict("records"):
+            rows += [{"kind": "science", "model": model, "recipe": variant, "method": seed,
+                      "bench": f"held-out-{record['bench']}", "metric": m, "value": record[m],
+                      "source": str(summary)} for m in record if m.startswith(EVAL_METRICS)]
+    for csv in sorted(results.glob("science/*/entropy/entropy_*.csv")):
+        for r in pd.read_csv(csv).to_dict("records"):
+            rows += [{"kind": "entropy", "model": csv.parts[-3], "recipe": r["card"],
+                      "method": r["weights"], "bench": kind, "metric": "entropy",
+                      "value": r[f"{kind}_entropy"], "source": str(csv)}
+                     for kind in ("own", "shared")]
+    return rows
+
+
 def collect(results: Path) -> pd.DataFrame:
     """Every number under ``results`` (see the module docstring); later rows of the same key
     (a benchmark rerun appends) replace earlier ones."""
     rows = (_eval(results) + _train(results) + _rollout(results) + _kernels(results)
-            + _efficiency(results))
+            + _efficiency(results) + _science(results))
     table = pd.DataFrame(rows, columns=COLUMNS)
     if table.empty:
         return table.assign(key=pd.Series(dtype=str))

@@ -85,4 +85,31 @@ def kernel_speedups(values: pd.DataFrame, out: Path) -> list[Path]:
     return [path]
 
 
-FIGURES = (curves, throughput_by_rank, kernel_speedups)
+def science_curves(values: pd.DataFrame, out: Path) -> list[Path]:
+    """Reward and entropy by step for each variant of the study: mean over seeds, with a
+    band of one standard deviation."""
+    runs = values[(values.kind == "science") & values.bench.str.startswith("step")].copy()
+    if runs.empty:
+        return []
+    plt = _pyplot()
+    runs["step"] = runs.bench.str.removeprefix("step").astype(int)
+    written = []
+    for model, group in runs.groupby("model"):
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+        for ax, metric in zip(axes, ["reward", "entropy"], strict=True):
+            for variant, part in group[group.metric == metric].groupby("recipe"):
+                stats = part.groupby("step").value.agg(["mean", "std", "count"])
+                ax.plot(stats.index, stats["mean"], label=f"{variant} ({stats['count'].max()})")
+                ax.fill_between(stats.index, stats["mean"] - stats["std"].fillna(0),
+                                stats["mean"] + stats["std"].fillna(0), alpha=0.2)
+            ax.set(xlabel="step", ylabel=metric, title=f"{model}: {metric} (mean +- std)")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / f"science_{model}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+FIGURES = (curves, throughput_by_rank, kernel_speedups, science_curves)

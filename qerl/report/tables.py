@@ -105,5 +105,32 @@ def efficiency(values: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
     return wide
 
 
+def science(values: pd.DataFrame, paper: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per variant of the study, over its seeds (mean and standard deviation): reward and
+    entropy at the last step, reward over the last quarter of the steps, held-out avg@k."""
+    ours = values[values.kind == "science"]
+    if ours.empty:
+        return pd.DataFrame()
+    rows = []
+    for (model, variant), runs in ours.groupby(["model", "recipe"]):
+        steps = runs[runs.bench.str.startswith("step")].copy()
+        steps["step"] = steps.bench.str.removeprefix("step").astype(int)
+        last = steps.step.max()
+        row = {"model": model, "variant": variant, "seeds": runs.method.nunique(),
+               "steps": last}
+        for name, part in (
+                ("reward (last)", steps[(steps.step == last) & (steps.metric == "reward")]),
+                ("reward (last quarter)", steps[(steps.step > 0.75 * last)
+                                                & (steps.metric == "reward")]
+                 .groupby("method").value.mean().rename("value").reset_index()),
+                ("entropy (last)", steps[(steps.step == last) & (steps.metric == "entropy")]),
+                ("held-out avg", runs[runs.bench.str.startswith("held-out")
+                                      & runs.metric.str.startswith("avg@")])):
+            row[f"{name} mean"] = part.value.mean()
+            row[f"{name} std"] = part.value.std()
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 TABLES = {"accuracy": accuracy, "rollout": rollout, "training": training, "kernels": kernels,
-          "efficiency": efficiency}
+          "efficiency": efficiency, "science": science}

@@ -46,12 +46,28 @@ def results(tmp_path):
              "completion": 512, "prompts": 4, "step_s": t, "rollout_s": t - 2,
              "train_s": 1.5, "peak_gb": 40.0} for m, t in [("lora", 8.0), ("qerl", 6.4)]]
     write(root / f"bench/step/efficiency_{CARD.replace(' ', '_')}.csv", step)
+    for variant, gain in (("lora", 0.1), ("qerl", 0.2)):
+        for seed in (0, 1):
+            run = root / f"science/smol/{variant}/seed{seed}"
+            write(run / "metrics.csv", [{"step": k, "reward": gain * k + seed / 10,
+                                         "entropy": 1.0 - 0.1 * k} for k in (1, 2, 3, 4)])
+            write(run / "eval/summary.csv", [{"bench": "gsm8k", "avg@4": gain + seed / 10}])
+    write(root / "science/smol/entropy/entropy_cpu.csv",
+          [{"card": "cpu", "weights": w, "own_entropy": e, "shared_entropy": e - 0.1}
+           for w, e in (("bf16", 1.5), ("nvfp4", 1.9))])
     return root
 
 
 def test_tables_put_the_papers_numbers_beside_ours(results):
     written = report(results)
-    assert set(written["tables"]) == {"accuracy", "rollout", "training", "efficiency"}
+    assert set(written["tables"]) == {"accuracy", "rollout", "training", "efficiency",
+                                      "science"}
+    study = pd.read_csv(results / "tables/science.csv").set_index("variant")
+    assert study.loc["qerl", "seeds"] == 2 and study.loc["qerl", "steps"] == 4
+    assert study.loc["qerl", "reward (last) mean"] == pytest.approx(0.85)
+    assert study.loc["qerl", "reward (last) std"] == pytest.approx(0.1 / 2**0.5)
+    assert study.loc["lora", "held-out avg mean"] == pytest.approx(0.15)
+    assert "science_smol.png" in written["figures"]
     efficiency = pd.read_csv(results / "tables/efficiency.csv").set_index("method")
     assert efficiency.loc["qerl", "speed vs lora"] == pytest.approx(1.25)
     assert efficiency.loc["qerl", "paper speed vs lora"] == 1.2
@@ -81,6 +97,8 @@ def test_every_number_has_a_stable_key(results):
         == 0.85
     assert values["train/tiny/smoke/qerl/step2/aqn/sigma"] == 0.01
     assert values[f"rollout/qwen2.5-14b/{CARD}/nvfp4/r32-b32-p256/tok_per_s"] == 1200.0
+    assert values["science/smol/qerl/seed1/step4/reward"] == pytest.approx(0.9)
+    assert values["entropy/smol/cpu/nvfp4/own/entropy"] == 1.9
 
 
 def test_check_names_each_drift_and_each_missing_value(results, tmp_path):

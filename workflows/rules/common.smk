@@ -56,7 +56,8 @@ def _check_names():
     """Every model a stage names must be among `models`."""
     named = {"train.models": config.get("train", {}).get("models", []),
              "eval.base_models": config.get("eval", {}).get("base_models", []),
-             "base_eval.models": config.get("base_eval", {}).get("models", [])}
+             "base_eval.models": config.get("base_eval", {}).get("models", []),
+             "science.model": [config["science"]["model"]] if "science" in config else []}
     for where, names in named.items():
         for name in names:
             if name not in MODELS:

@@ -34,7 +34,7 @@ def check_arg():
 
 
 rule report:
-    input: train_targets(), eval_targets(), base_eval_targets(), bench_targets()
+    input: train_targets(), eval_targets(), base_eval_targets(), bench_targets(), science_targets()
     output: f"{RESULTS}/tables/values.csv"
     params: check=check_arg(), results=RESULTS
     log: f"{WORK}/logs/report.log"

@@ -1,0 +1,99 @@
+# The small-scale study (config["science"]): policy entropy by weight format, and reward
+# growth of each method over several seeds, identical but for the method (and the learning
+# rate the paper recommends for it). Runs keep their checkpoints under WORK (resumable).
+SCIENCE = config.get("science", {})
+
+
+def science_targets():
+    if not SCIENCE:
+        return []
+    model = SCIENCE["model"]
+    runs = [f"{RESULTS}/science/{model}/{variant}/seed{seed}/metrics.csv"
+            for variant in SCIENCE["variants"] for seed in SCIENCE["seeds"]]
+    held_out = [path.replace("metrics.csv", "eval/summary.csv") for path in runs]
+    return runs + held_out + [f"{RESULTS}/science/{model}/entropy"]
+
+
+def science_variant(wildcards):
+    return SCIENCE["variants"][wildcards.variant]
+
+
+def science_model(wildcards):
+    """qerl variants train on the NVFP4 checkpoint, the others on the BF16 model."""
+    if science_variant(wildcards)["method"] == "qerl":
+        return f"{WORK}/models/{wildcards.model}/nvfp4"
+    return base_model(wildcards.model)
+
+
+def science_model_input(wildcards):
+    model = science_model(wildcards)
+    return [model] if model.startswith(f"{WORK}/") else []
+
+
+def science_sets(wildcards):
+    variant = science_variant(wildcards)
+    sets = {"model": science_model(wildcards), "method": variant["method"],
+            "seed": wildcards.seed, "device": DEVICE,
+            "output_dir": f"{WORK}/science/{wildcards.model}/{wildcards.variant}/"
+                          f"seed{wildcards.seed}",
+            "train.learning_rate": variant["learning_rate"]}
+    if "aqn" in variant:
+        sets["aqn.enabled"] = variant["aqn"]
+    return " ".join(f"--set {key}={value}" for key, value in sets.items())
+
+
+def science_adapter_args(wildcards):
+    variant = science_variant(wildcards)
+    run = f"{WORK}/science/{wildcards.model}/{wildcards.variant}/seed{wildcards.seed}"
+    return (f"--model {science_model(wildcards)} --adapter {run}/final "
+            f"--method {variant['method']}")
+
+
+def model_source(wildcards):
+    return MODELS[wildcards.model]
+
+
+rule science_train:
+    input: science_model_input, recipe=SCIENCE.get("recipe", [])
+    output: f"{RESULTS}/science/{{model}}/{{variant}}/seed{{seed}}/metrics.csv"
+    params:
+        sets=science_sets,
+        run=f"{WORK}/science/{{model}}/{{variant}}/seed{{seed}}",
+    log: f"{WORK}/logs/science_train/{{model}}/{{variant}}/seed{{seed}}.log"
+    benchmark: f"{WORK}/benchmarks/science_train/{{model}}/{{variant}}/seed{{seed}}.tsv"
+    resources: gpu=USES_GPU, mem_mb=32000
+    shell:
+        "qerl train --config {input.recipe} {params.sets} > {log} 2>&1 && "
+        "cp {params.run}/metrics.csv {params.run}/config.yaml {params.run}/provenance.json "
+        "$(dirname {output})/"
+
+
+rule science_held_out:
+    """Held-out accuracy at the end: the GSM8K test slice, the adapter on its base."""
+    input: science_model_input, f"{RESULTS}/science/{{model}}/{{variant}}/seed{{seed}}/metrics.csv"
+    output: f"{RESULTS}/science/{{model}}/{{variant}}/seed{{seed}}/eval/summary.csv"
+    params:
+        policy=science_adapter_args,
+        settings=(f"--bench gsm8k --samples 4 --max-tokens 512 --batch 256 --device {DEVICE} "
+                  f"--limit {SCIENCE.get('held_out', 500)} "
+                  + (f"--data gsm8k={DATA['gsm8k']}" if DATA.get("gsm8k") else "")),
+        out=f"{WORK}/science/{{model}}/{{variant}}/seed{{seed}}/eval",
+    log: f"{WORK}/logs/science_held_out/{{model}}/{{variant}}/seed{{seed}}.log"
+    resources: gpu=USES_GPU, mem_mb=32000
+    shell:
+        "qerl eval {params.policy} {params.settings} --out {params.out} > {log} 2>&1 && "
+        "cp {params.out}/summary.csv {params.out}/summary.json $(dirname {output})/"
+
+
+rule science_entropy:
+    output: directory(f"{RESULTS}/science/{{model}}/entropy")
+    params:
+        source=model_source,
+        args=SCIENCE.get("entropy", ""),
+        data=f"--data {DATA['gsm8k']}" if DATA.get("gsm8k") else "",
+        device=DEVICE,
+    log: f"{WORK}/logs/science_entropy/{{model}}.log"
+    resources: gpu=USES_GPU, mem_mb=32000
+    shell:
+        "qerl bench entropy --model {params.source} {params.data} {params.args} "
+        "--device {params.device} --out-dir {output} > {log} 2>&1"
