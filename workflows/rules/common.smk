@@ -81,6 +81,16 @@ def base_model(model):
     return f"{WORK}/models/{model}/bf16" if needs_export(model) else MODELS[model]
 
 
+def method_base(model, method):
+    """What a method trains on: qerl the NVFP4 checkpoint, the others the BF16 model."""
+    return f"{WORK}/models/{model}/nvfp4" if method == "qerl" else base_model(model)
+
+
+def made_here(path):
+    """``path`` as a job input if a rule makes it (under WORK), else nothing to wait for."""
+    return [path] if path.startswith(f"{WORK}/") else []
+
+
 def base_model_of(wildcards):
     return base_model(wildcards.model)
 

@@ -19,15 +19,11 @@ def science_variant(wildcards):
 
 
 def science_model(wildcards):
-    """qerl variants train on the NVFP4 checkpoint, the others on the BF16 model."""
-    if science_variant(wildcards)["method"] == "qerl":
-        return f"{WORK}/models/{wildcards.model}/nvfp4"
-    return base_model(wildcards.model)
+    return method_base(wildcards.model, science_variant(wildcards)["method"])
 
 
 def science_model_input(wildcards):
-    model = science_model(wildcards)
-    return [model] if model.startswith(f"{WORK}/") else []
+    return made_here(science_model(wildcards))
 
 
 def science_sets(wildcards):

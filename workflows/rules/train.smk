@@ -5,15 +5,11 @@ TRAIN = config.get("train", {})
 
 
 def policy_model(wildcards):
-    """qerl trains on the NVFP4 checkpoint, the other methods on the BF16 model."""
-    if wildcards.method == "qerl":
-        return f"{WORK}/models/{wildcards.model}/nvfp4"
-    return base_model(wildcards.model)
+    return method_base(wildcards.model, wildcards.method)
 
 
 def policy_model_input(wildcards):
-    model = policy_model(wildcards)
-    return [model] if model.startswith(f"{WORK}/") else []
+    return made_here(policy_model(wildcards))
 
 
 def recipe_file(wildcards):
