@@ -12,7 +12,7 @@ from qerl.noise import AQNSettings
 from qerl.policy import build_policy
 from qerl.rollout import Engine, RolloutError, SamplingParams
 from qerl.rollout.sampling import sample
-from tests.conftest import fresh_seed, require_smollm2, tiny_config
+from tests.conftest import fresh_seed, require_smollm2, save_tiny_model, tiny_config
 from tests.test_policy import randomize_adapter
 
 PROMPTS = [[5, 9, 33, 2], [7, 1], [100, 101, 102, 103, 104, 105]]
@@ -182,16 +182,31 @@ def test_bad_requests_are_refused_before_any_work():
         Engine(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)), 1, 8)
 
 
+@pytest.fixture(scope="module")
+def plain_checkpoint(tmp_path_factory):
+    """A tiny model without planted outliers, quantized: on it, a bf16 ulp stays an ulp."""
+    from qerl.quantize import quantize_model
+    from qerl.sources import open_source
+
+    source = tmp_path_factory.mktemp("plain")
+    save_tiny_model(source, hard_values=False)
+    out = source / "nvfp4"
+    quantize_model(open_source(str(source)), out, progress=False)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["lora", "qerl"])
-def test_fused_step_equals_the_models_own_modules(method, tiny_model_dir, tiny_checkpoint):
+def test_fused_step_equals_the_models_own_modules(method, tiny_model_dir, plain_checkpoint):
     """Our norm, rotary and LoRA kernels against the modules they stand in for, with a
     trained adapter and AQN's noise on: fp32 BF16-LoRA gives the same tokens and
     log-probabilities; on NVFP4 (bf16 activations) the first steps agree to rounding — one
-    or two bf16 ulps per projection, which this tiny model with planted outliers amplifies
-    (and Triton's interpreter truncates to bf16 where the GPU rounds)."""
+    or two bf16 ulps per projection (Triton's interpreter truncates to bf16 where the GPU
+    rounds). Planted outliers amplify those ulps past any fixed bound (seen: 0.18 nats at
+    the first token for one random adapter), so NVFP4 is compared on ordinary weights;
+    the kernels' own tests cover the outliers."""
     seed = fresh_seed()
-    source = tiny_model_dir if method == "lora" else tiny_checkpoint
+    source = tiny_model_dir if method == "lora" else plain_checkpoint
     policy = build_policy(method, source, aqn=AQNSettings(num_stages=2), total_steps=2,
                           device=DEVICE)
     if method == "lora":
