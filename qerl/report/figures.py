@@ -17,28 +17,38 @@ def _pyplot():
     return plt
 
 
+def _by_step(frame: pd.DataFrame, draw, title: str, path: Path) -> Path:
+    """Reward and entropy side by side against the step; ``draw(ax, rows)`` plots one
+    metric's rows."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for ax, metric in zip(axes, ["reward", "entropy"], strict=True):
+        draw(ax, frame[frame.metric == metric])
+        ax.set(xlabel="step", ylabel=metric, title=f"{title}: {metric}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _steps(values: pd.DataFrame, kind: str) -> pd.DataFrame:
+    rows = values[(values.kind == kind) & values.bench.str.startswith("step")
+                  & values.metric.isin(["reward", "entropy"])].copy()
+    rows["step"] = rows.bench.str.removeprefix("step").astype(int)
+    return rows
+
+
 def curves(values: pd.DataFrame, out: Path) -> list[Path]:
     """One figure per (model, recipe): reward and entropy by step, a line per method."""
-    train = values[(values.kind == "train") & values.metric.isin(["reward", "entropy"])].copy()
-    if train.empty:
-        return []
-    plt = _pyplot()
-    train["step"] = train.bench.str.removeprefix("step").astype(int)
-    written = []
-    for (model, recipe), runs in train.groupby(["model", "recipe"]):
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-        for ax, metric in zip(axes, ["reward", "entropy"], strict=True):
-            for method, run in runs[runs.metric == metric].groupby("method"):
-                run = run.sort_values("step")
-                ax.plot(run.step, run.value, marker="o", label=method)
-            ax.set(xlabel="step", ylabel=metric, title=f"{model} {recipe}: {metric}")
-            ax.legend()
-        fig.tight_layout()
-        path = out / f"curves_{model}_{recipe}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
-    return written
+
+    def draw(ax, rows):
+        for method, run in rows.groupby("method"):
+            run = run.sort_values("step")
+            ax.plot(run.step, run.value, marker="o", label=method)
+
+    return [_by_step(runs, draw, f"{model} {recipe}", out / f"curves_{model}_{recipe}.png")
+            for (model, recipe), runs in _steps(values, "train").groupby(["model", "recipe"])]
 
 
 def throughput_by_rank(values: pd.DataFrame, out: Path) -> list[Path]:
@@ -88,28 +98,17 @@ def kernel_speedups(values: pd.DataFrame, out: Path) -> list[Path]:
 def science_curves(values: pd.DataFrame, out: Path) -> list[Path]:
     """Reward and entropy by step for each variant of the study: mean over seeds, with a
     band of one standard deviation."""
-    runs = values[(values.kind == "science") & values.bench.str.startswith("step")].copy()
-    if runs.empty:
-        return []
-    plt = _pyplot()
-    runs["step"] = runs.bench.str.removeprefix("step").astype(int)
-    written = []
-    for model, group in runs.groupby("model"):
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-        for ax, metric in zip(axes, ["reward", "entropy"], strict=True):
-            for variant, part in group[group.metric == metric].groupby("recipe"):
-                stats = part.groupby("step").value.agg(["mean", "std", "count"])
-                ax.plot(stats.index, stats["mean"], label=f"{variant} ({stats['count'].max()})")
-                ax.fill_between(stats.index, stats["mean"] - stats["std"].fillna(0),
-                                stats["mean"] + stats["std"].fillna(0), alpha=0.2)
-            ax.set(xlabel="step", ylabel=metric, title=f"{model}: {metric} (mean +- std)")
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out / f"science_{model}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
-    return written
+
+    def draw(ax, rows):
+        for variant, part in rows.groupby("recipe"):
+            stats = part.groupby("step").value.agg(["mean", "std", "count"])
+            spread = stats["std"].fillna(0)
+            ax.plot(stats.index, stats["mean"], label=f"{variant} ({stats['count'].max()})")
+            ax.fill_between(stats.index, stats["mean"] - spread, stats["mean"] + spread,
+                            alpha=0.2)
+
+    return [_by_step(runs, draw, f"{model} (mean +- std)", out / f"science_{model}.png")
+            for model, runs in _steps(values, "science").groupby("model")]
 
 
 FIGURES = (curves, throughput_by_rank, kernel_speedups, science_curves)
