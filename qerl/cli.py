@@ -140,6 +140,14 @@ def _export(args: argparse.Namespace) -> None:
     print(write(policy, args.out, overwrite=args.overwrite, tokenizer=tokenizer))
 
 
+def _adapter_args(parser: argparse.ArgumentParser) -> None:
+    """--adapter and --method, as eval and export read a trained policy."""
+    parser.add_argument("--adapter", help="a trained adapter directory (qerl train's final/)")
+    parser.add_argument("--method", choices=["qerl", "lora", "qlora", "full"],
+                        help="default: qerl for an NVFP4 checkpoint, lora with --adapter, "
+                             "else full")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qerl", description=__doc__)
     verbs = parser.add_subparsers(dest="verb", required=True)
@@ -179,9 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "them with math-verify; rerun the same command to resume.")
     e.add_argument("--model", required=True, help="model directory, hub id, .gguf or NVFP4 "
                                                   "checkpoint")
-    e.add_argument("--adapter", help="a trained adapter directory (qerl train's final/)")
-    e.add_argument("--method", choices=["qerl", "lora", "qlora", "full"],
-                   help="default: qerl for an NVFP4 checkpoint, lora with --adapter, else full")
+    _adapter_args(e)
     e.add_argument("--bench", default="gsm8k,math500",
                    help="comma-separated: gsm8k, math500, aime24, aime25, amc23")
     e.add_argument("--data", action="append", default=[], metavar="BENCH=FILE",
@@ -221,9 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--seed", type=int, default=0, help="seed for --arch")
     x.add_argument("--tokenizer", help="tokenizer to write beside the weights (directory, hub "
                                        "id, .gguf or packaged GGUF name); needed with --arch")
-    x.add_argument("--adapter", help="a trained adapter directory (qerl train's final/)")
-    x.add_argument("--method", choices=["qerl", "lora", "qlora", "full"],
-                   help="default: qerl for an NVFP4 checkpoint, lora with --adapter, else full")
+    _adapter_args(x)
     x.add_argument("--layout", choices=["merged", "vllm"], default="merged")
     x.add_argument("--out", required=True, help="output directory")
     x.add_argument("--overwrite", action="store_true", help="replace --out if we wrote it")

@@ -17,6 +17,13 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _by_step(frame: pd.DataFrame, draw, title: str, path: Path) -> Path:
     """Reward and entropy side by side against the step; ``draw(ax, rows)`` plots one
     metric's rows."""
@@ -26,10 +33,7 @@ def _by_step(frame: pd.DataFrame, draw, title: str, path: Path) -> Path:
         draw(ax, frame[frame.metric == metric])
         ax.set(xlabel="step", ylabel=metric, title=f"{title}: {metric}")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _steps(values: pd.DataFrame, kind: str) -> pd.DataFrame:
@@ -65,11 +69,7 @@ def throughput_by_rank(values: pd.DataFrame, out: Path) -> list[Path]:
             ax.plot(group.index, group.values, marker="o", label=f"{model} {weights} b{batch}")
     ax.set(xlabel="LoRA rank", ylabel="tokens/s", title="rollout throughput by LoRA rank")
     ax.legend(fontsize=6)
-    fig.tight_layout()
-    path = out / "rollout_by_rank.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path]
+    return [_save(plt, fig, out / "rollout_by_rank.png")]
 
 
 def kernel_speedups(values: pd.DataFrame, out: Path) -> list[Path]:
@@ -88,11 +88,7 @@ def kernel_speedups(values: pd.DataFrame, out: Path) -> list[Path]:
     ax.set(xscale="log", xlabel="M (tokens)", ylabel="speed-up vs cuBLAS BF16",
            title="NVFP4 matmul")
     ax.legend(fontsize=6)
-    fig.tight_layout()
-    path = out / "kernel_speedups.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path]
+    return [_save(plt, fig, out / "kernel_speedups.png")]
 
 
 def science_curves(values: pd.DataFrame, out: Path) -> list[Path]:
