@@ -189,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "checkpoint")
     _adapter_args(e)
     e.add_argument("--bench", default="gsm8k,math500",
-                   help="comma-separated: gsm8k, math500, aime24, aime25, amc23")
+                   help="comma-separated: gsm8k, math500, aime24, aime25, amc23, or "
+                        "arithmetic-1..5 (the procedural task's held-out draw)")
     e.add_argument("--data", action="append", default=[], metavar="BENCH=FILE",
                    help="a local file for a benchmark (repeatable)")
     e.add_argument("--fields", help="its columns, e.g. question=problem,answer=solution")

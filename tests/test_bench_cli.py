@@ -32,7 +32,37 @@ def test_the_step_benchmark_times_each_phase_against_lora(tmp_path):
     assert rows.step_s.tolist() == pytest.approx(
         rows[[f"{p}_s" for p in PHASES]].sum(axis=1).tolist(), abs=2e-3)
     table = next(tmp_path.glob("efficiency_*.md")).read_text()
-    assert "speed vs lora" in table and "| tiny-llama | lora     | ok" in table
+    assert "speed vs lora" in table and table.count("| tiny-llama |") == 2
+    assert next(tmp_path.glob("efficiency_*.png")).stat().st_size > 1000
+
+
+def test_the_step_table_compares_methods_only_at_the_same_settings(tmp_path):
+    """Rows of other settings (another L) are not compared with each other's LoRA, and a
+    remeasured row replaces the older one."""
+    import pandas as pd
+
+    from qerl.bench.step import SETTINGS, compare
+
+    same = {"lora_rank": 32, "prompts": 2, "generations": 8, "micro_batch": 8,
+            "grad_ckpt": 1}
+    rows = [{"model": "m", "method": "lora", **same, "completion": 512, "step_s": 10.0},
+            {"model": "m", "method": "qerl", **same, "completion": 512, "step_s": 20.0},
+            {"model": "m", "method": "qerl", **same, "completion": 512, "step_s": 5.0},
+            {"model": "m", "method": "qerl", **same, "completion": 2048, "step_s": 8.0}]
+    frame = pd.DataFrame(rows)
+    assert set(SETTINGS) <= set(frame.columns)
+    out = compare(frame)
+    assert out["speed vs lora"].tolist()[:2] == [1.0, 2.0]
+    assert len(out) == 3 and pd.isna(out["speed vs lora"].iloc[2])
+
+
+def test_the_step_benchmark_gives_each_child_one_of_the_visible_gpus(monkeypatch):
+    from qerl.bench.step import gpu_env
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7")
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in gpu_env(["0", "2"])] == ["4", "7"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in gpu_env(["1"])] == ["1"]
 
 
 def test_the_step_benchmark_refuses_a_micro_batch_that_does_not_divide(tmp_path):

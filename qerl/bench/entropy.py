@@ -27,11 +27,11 @@ VARIANTS = {"bf16": ("full", False), "nvfp4": ("qerl", False), "nf4": ("qlora", 
 
 def token_entropies(model, prompt: list[int], completion: list[int]) -> np.ndarray:
     """Entropy (nats) of the next-token distribution at each completion position."""
-    ids = torch.tensor([prompt + completion])
+    ids = torch.tensor([prompt + completion], device=model.device)
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1:-1].float()
     logp = logits.log_softmax(-1)
-    return (-(logp.exp() * logp).sum(-1)).numpy()
+    return (-(logp.exp() * logp).sum(-1)).cpu().numpy()
 
 
 def bootstrap(values: np.ndarray, rng: np.random.Generator, draws: int = 2000):

@@ -1,9 +1,11 @@
-"""Rollout throughput: the embedded engine on BF16 and NVFP4 weights (LoRA attached,
-unmerged, as during RL) and Hugging Face generate on the BF16 model, at Qwen2.5 shapes
-with random weights.
+"""Rollout throughput: the embedded engine on BF16, NVFP4 and NF4 (QLoRA's) weights (LoRA
+attached, unmerged, as during RL) and Hugging Face generate on the BF16 model, at Qwen2.5
+shapes with random weights.
 
     qerl bench rollout                              # -> results/bench/rollout_<card>.csv
     qerl bench rollout --archs qwen2.5-7b --batches 1,32 --prompt-lens 256 --gen-len 1024
+    qerl bench rollout --archs qwen2.5-14b --weights bf16,nvfp4,nf4 --ranks 16,32,64 \
+        --batches 1 --prompt-lens 256     # the paper's throughput-by-rank figure
 
 Every sequence runs to gen_len (EOS ignored), sampling at temperature 1; tokens/s counts
 generated tokens over the whole call (prefill included), after one warm-up call that also
@@ -24,7 +26,7 @@ from qerl.bench.record import append_rows, provenance
 from qerl.policy import LoraSettings, build_policy
 from qerl.rollout import Engine, SamplingParams
 
-WEIGHTS = {"bf16": "lora", "nvfp4": "qerl"}  # engine weights -> policy method
+WEIGHTS = {"bf16": "lora", "nvfp4": "qerl", "nf4": "qlora"}  # engine weights -> policy method
 
 
 def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -87,14 +89,21 @@ def bench_hf(model, batches, prompt_lens, gen_len) -> list[dict]:
 
 def plot(csv_path: Path) -> Path:
     """Left, the paper's rollout-vs-rank figure: tokens/s against LoRA rank for each
-    (model, batch, prompt) measured at several ranks, Hugging Face as a line. Right,
-    NVFP4's speed relative to BF16 per model and batch (same rank and prompt length)."""
+    (model, batch, prompt) measured at several ranks, the paper's numbers dashed in the same
+    colour (its LoRA, QLoRA and QeRL: our bf16, nf4 and nvfp4), Hugging Face as a line.
+    Right, NVFP4's speed relative to BF16 per model and batch (same rank and prompt)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import pandas as pd
 
+    from qerl.report.run import PAPER
+
+    paper = pd.read_csv(PAPER)
+    paper = paper[(paper.metric == "rollout_throughput") & paper.lora_rank.notna()]
+    paper = paper.assign(model=paper.model.str.lower().str.removesuffix("-instruct"))
+    colours = {w: f"C{i}" for i, w in enumerate(WEIGHTS)}
     df = pd.read_csv(csv_path)
     engine = df[(df.weights != "hf-bf16") & (df.get("fused", 1) == 1)]
     keys = ["model", "batch", "prompt_len"]
@@ -106,7 +115,12 @@ def plot(csv_path: Path) -> Path:
                      & (engine.prompt_len == prompt_len)]
         for weights, g in sel.groupby("weights"):
             g = g.groupby("lora_rank", as_index=False).tok_per_s.last()
-            ax.plot(g.lora_rank, g.tok_per_s, marker="o", label=f"engine {weights}")
+            ax.plot(g.lora_rank, g.tok_per_s, marker="o", color=colours[weights],
+                    label=f"engine {weights}")
+            theirs = paper[(paper.model == model) & (paper.method == WEIGHTS[weights])]
+            if len(theirs):
+                ax.plot(theirs.lora_rank, theirs.value, ls="--", marker="x",
+                        color=colours[weights], label=f"paper {WEIGHTS[weights]}")
         hf = df[(df.weights == "hf-bf16") & (df.model == model) & (df.batch == batch)]
         if len(hf):
             ax.axhline(hf.tok_per_s.iloc[-1], color="grey", ls=":", label="HF generate bf16")
@@ -150,6 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", type=Path, help="only draw the figure of this CSV")
     args = parser.parse_args(argv)
     if args.plot:
+        if args.plot.suffix != ".csv" or not args.plot.is_file():
+            raise SystemExit(f"qerl bench rollout: --plot takes a rollout CSV; {args.plot} "
+                             "is not one")
         print(plot(args.plot))
         return
     if not torch.cuda.is_available():

@@ -7,26 +7,32 @@ backward over micro-batches, and the optimizer — `qerl train` itself, a few st
     qerl bench step --archs qwen2.5-32b --methods qerl --grad-ckpt
     qerl bench step --archs qwen2.5-7b --completion 512 --steps 2   # a quick look
 
-Each (model, method) runs in its own process (a fresh GPU); one that runs out of memory is
-recorded as such, with the memory it had reached. Rows go to
+Each (model, method) runs in its own process (a fresh GPU); with --gpus 0,1,2,3 up to four
+run at once, one per GPU (the GPUs must be of one model: the ratios compare like with like).
+One that runs out of memory is recorded as such, with the memory it had reached. Rows go to
 results/bench/efficiency_<card>.csv (the first step, which captures CUDA graphs and warms up, is
-left out of the medians); the table beside it gives each method's step time against LoRA's
-from the same run, and the paper's end-to-end speed beside it where it gives one.
+left out of the medians); the table beside it, rewritten from the whole file, gives each
+method's step time against LoRA's at the same model and settings, and the paper's end-to-end
+speed beside it where it gives one.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import queue
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 PHASES = ("rollout", "score", "train", "optimizer")
 METHODS = ("lora", "qlora", "qerl")
 RESULT = ("status", "steps_measured", *(f"{p}_s" for p in PHASES), "step_s",
           "rollout_tok_per_s", "peak_gb", "error")
+SETTINGS = ("lora_rank", "prompts", "generations", "completion", "micro_batch", "grad_ckpt")
 
 
 def run_config(args: argparse.Namespace, arch: str, method: str, workdir: Path) -> dict:
@@ -79,25 +85,113 @@ def measure(args: argparse.Namespace, arch: str, method: str) -> dict:
     return row
 
 
-def table(rows: list[dict]) -> str:
-    """Markdown: each method's step and phase times, and its step time against LoRA's."""
+def _order(column):
+    """Sort keys: models by size (the number in the name), methods as in METHODS."""
+    if column.name in ("completion", "prompts"):
+        return column
+    if column.name == "method":
+        return column.map(lambda m: METHODS.index(m) if m in METHODS else len(METHODS))
+    return column.str.extract(r"(\d+(?:\.\d+)?)b", expand=False).astype(float).fillna(0)
+
+
+def compare(frame):
+    """The newest row of each (model, method, settings), with its speed against LoRA's at
+    the same model and settings and the paper's end-to-end speed."""
     import pandas as pd
 
     from qerl.report.run import PAPER
 
-    frame = pd.DataFrame(rows)
-    lora = frame[frame.method == "lora"].set_index("model").step_s
-    frame["speed vs lora"] = [lora.get(m) / s if s and lora.get(m) else None
-                              for m, s in zip(frame.model, frame.step_s, strict=True)]
+    frame = frame.drop_duplicates(["model", "method", *SETTINGS], keep="last")
+    frame = frame.sort_values(["completion", "prompts", "model", "method"], key=_order,
+                              kind="stable")
+    group = ["model", *SETTINGS]
+    lora = frame[frame.method == "lora"].set_index(group).step_s
+    keys = frame[group].itertuples(index=False, name=None)
+    frame = frame.assign(**{"speed vs lora": [
+        lora.get(k) / s if s and lora.get(k) else None
+        for k, s in zip(keys, frame.step_s, strict=True)]})
     paper = pd.read_csv(PAPER)
     paper = paper[paper.metric == "end_to_end_speed"]
     speed = {(m.lower().removesuffix("-instruct"), method): v
              for m, method, v in zip(paper.model, paper.method, paper.value, strict=True)}
     frame["paper speed vs lora"] = [speed.get((m, method)) for m, method
                                     in zip(frame.model, frame.method, strict=True)]
-    columns = ["model", "method", "status", *[f"{p}_s" for p in PHASES], "step_s",
-               "speed vs lora", "paper speed vs lora", "rollout_tok_per_s", "peak_gb"]
+    return frame
+
+
+def table(frame) -> str:
+    """Markdown: each method's step and phase times against LoRA's (see ``compare``)."""
+    frame = compare(frame)
+    columns = ["model", "method", "prompts", "generations", "completion", "grad_ckpt",
+               "status", *[f"{p}_s" for p in PHASES], "step_s", "speed vs lora",
+               "paper speed vs lora", "rollout_tok_per_s", "peak_gb"]
     return frame[[c for c in columns if c in frame]].to_markdown(index=False, floatfmt=".3g")
+
+
+def figure(frame, path: Path) -> None:
+    """Per settings: each (model, method)'s step time stacked by phase, and its peak GPU
+    memory against the card's capacity (runs out of memory drawn at the peak they reached)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    frame = compare(frame)
+    groups = list(frame.groupby(list(SETTINGS), sort=False))
+    fig, axes = plt.subplots(2, len(groups), figsize=(1.1 * len(frame) + 3, 6.5),
+                             squeeze=False, sharey="row")
+    for col, (settings, rows) in enumerate(groups):
+        labels = [f"{m.removeprefix('qwen2.5-')}\n{method}"
+                  for m, method in zip(rows.model, rows.method, strict=True)]
+        bottom = 0
+        for phase in PHASES:
+            values = rows[f"{phase}_s"].fillna(0).to_numpy()
+            axes[0][col].bar(labels, values, bottom=bottom, label=phase)
+            bottom = bottom + values
+        setting = dict(zip(SETTINGS, settings, strict=True))
+        axes[0][col].set_title(f"P={setting['prompts']} G={setting['generations']} "
+                               f"L={setting['completion']}"
+                               + (" grad-ckpt" if setting["grad_ckpt"] else ""), fontsize=9)
+        colours = ["C3" if s == "oom" else "C7" for s in rows.status]
+        axes[1][col].bar(labels, rows.peak_gb.fillna(0), color=colours)
+        axes[1][col].axhline(80, color="k", ls=":", lw=1)
+        for ax in axes[:, col]:
+            ax.tick_params(axis="x", labelsize=7)
+    axes[0][0].set_ylabel("step time (s)")
+    axes[0][0].legend(fontsize=7)
+    axes[1][0].set_ylabel("peak GPU memory (GB)\nred: out of memory")
+    fig.suptitle(f"One RL step, {path.stem.removeprefix('efficiency_').replace('_', ' ')}")
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=110)
+    plt.close(fig)
+
+
+def write_table(path: Path) -> Path:
+    """The markdown table and the figure beside the CSV at ``path``, from all its rows."""
+    import pandas as pd
+
+    figure(pd.read_csv(path), path)
+    out = path.with_suffix(".md")
+    card = path.stem.removeprefix("efficiency_").replace("_", " ")
+    out.write_text(f"# qerl bench step, {card}\n\n"
+                   "P prompts x G completions of L (`completion`) tokens per step; "
+                   "`step_s` is the sum of the phases (median over the steps after the "
+                   "first); speed vs lora compares rows of one model and settings.\n\n"
+                   + table(pd.read_csv(path)) + "\n")
+    return out
+
+
+def gpu_env(gpus: list[str]) -> list[dict]:
+    """One environment per GPU in ``gpus`` (indices among the visible ones), each seeing only
+    that GPU."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    physical = visible.split(",") if visible else None
+    envs = []
+    for gpu in gpus:
+        index = int(gpu)
+        name = physical[index] if physical else str(index)
+        envs.append({**os.environ, "CUDA_VISIBLE_DEVICES": name})
+    return envs
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -114,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rank", type=int, default=32, help="LoRA rank")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing")
+    parser.add_argument("--gpus", default="0",
+                        help="GPUs to spread the (model, method) processes over, e.g. 0,1,2,3")
     parser.add_argument("--child", nargs=2, metavar=("ARCH", "METHOD"), help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # tests: cpu
     args = parser.parse_args(argv)
@@ -122,8 +218,17 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("qerl bench step: needs a CUDA GPU (none found)")
+    gpus = args.gpus.split(",")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("qerl bench step: needs a CUDA GPU (none found)")
+        if any(not g.isdigit() or int(g) >= torch.cuda.device_count() for g in gpus):
+            raise SystemExit(f"qerl bench step: --gpus {args.gpus}, but "
+                             f"{torch.cuda.device_count()} GPU(s) are visible")
+        names = {torch.cuda.get_device_name(int(g)) for g in gpus}
+        if len(names) > 1:
+            raise SystemExit(f"qerl bench step: --gpus mixes card models {sorted(names)}; "
+                             "ratios need one")
     if args.child:
         print(json.dumps(measure(args, *args.child)))
         return
@@ -136,25 +241,35 @@ def main(argv: list[str] | None = None) -> None:
     settings = {"lora_rank": args.rank, "prompts": args.prompts,
                 "generations": args.generations, "completion": args.completion,
                 "micro_batch": args.micro_batch, "grad_ckpt": int(args.grad_ckpt)}
-    rows = []
     own = list(argv if argv is not None else sys.argv[1:])
-    for arch in args.archs.split(","):
-        for method in args.methods.split(","):
-            done = subprocess.run([sys.executable, "-m", "qerl.bench.step", *own,
-                                   "--child", arch, method], capture_output=True, text=True)
-            lines = done.stdout.strip().splitlines()
-            try:
-                result = json.loads(lines[-1])
-            except (IndexError, json.JSONDecodeError):
-                result = {"status": "failed", "error": done.stderr.strip()[-500:]}
-            row = {**base, "model": arch, "method": method, **settings,
-                   **{key: result.get(key) for key in RESULT}}
+    free = queue.Queue()
+    for env in gpu_env(gpus):
+        free.put(env)
+
+    def child(arch: str, method: str) -> dict:
+        env = free.get()
+        try:
+            done = subprocess.run([sys.executable, "-m", "qerl.bench.step", *own, "--gpus",
+                                   "0", "--child", arch, method], capture_output=True,
+                                  text=True, env=env)
+        finally:
+            free.put(env)
+        try:
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            result = {"status": "failed", "error": done.stderr.strip()[-500:]}
+        return {**base, "model": arch, "method": method, **settings,
+                **{key: result.get(key) for key in RESULT}}
+
+    jobs = [(arch, method) for arch in args.archs.split(",")
+            for method in args.methods.split(",")]
+    with ThreadPoolExecutor(max_workers=len(gpus)) as pool:
+        for future in as_completed([pool.submit(child, *job) for job in jobs]):
+            row = future.result()
             print(json.dumps(row), flush=True)
             append_rows(path, [row])
-            rows.append(row)
-    (args.out_dir / f"efficiency_{card}.md").write_text(table(rows) + "\n")
+    write_table(path)
     print(path)
-
 
 if __name__ == "__main__":
     main()

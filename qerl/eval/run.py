@@ -30,6 +30,11 @@ from qerl.rl.rewards import matches, parse_answer
 from qerl.rollout import Engine, SamplingParams
 
 SUMMARY = "summary"
+# The procedural task at level N, as a held-out test: its own problem draw (seed -1; training
+# draws with the run's seed), --limit problems (default 500). Level 1 has only 100 distinct
+# sums, so there it measures the trained skill on fresh samples, not unseen problems.
+ARITHMETIC = tuple(f"arithmetic-{level}" for level in range(1, 6))
+ARITHMETIC_SEED, ARITHMETIC_SIZE = -1, 500
 
 
 class EvalError(QerlError):
@@ -169,9 +174,12 @@ def evaluate(model: str, benches: list[str], out_dir: Path, settings: EvalSettin
     from qerl.rl.data import HUB, load_task
     from qerl.tokenizer import policy_tokenizer
 
-    unknown = [b for b in benches if b not in HUB]
+    unknown = [b for b in benches if b not in (*HUB, *ARITHMETIC)]
     if unknown:
-        raise EvalError(f"unknown benchmark(s) {unknown}; known: {', '.join(HUB)}")
+        raise EvalError(f"unknown benchmark(s) {unknown}; known: "
+                        f"{', '.join((*HUB, *ARITHMETIC))}")
+    if set(data or {}) & set(ARITHMETIC):
+        raise EvalError("the arithmetic benchmarks are generated; they take no data file")
     stray = sorted(set(data or {}) - set(benches))
     if stray:
         raise EvalError(f"data files given for benchmarks not asked for: {stray}")
@@ -181,7 +189,11 @@ def evaluate(model: str, benches: list[str], out_dir: Path, settings: EvalSettin
     if adapter and method == "full":
         raise EvalError("an adapter needs a LoRA method (qerl, lora or qlora), not full")
     tasks = {b: load_task(b, path=(data or {}).get(b), split=None, limit=limit,
-                          fields=fields if (data or {}).get(b) else None) for b in benches}
+                          fields=fields if (data or {}).get(b) else None)
+             if b in HUB else
+             load_task("arithmetic", level=int(b.split("-")[1]),
+                       size=limit or ARITHMETIC_SIZE, seed=ARITHMETIC_SEED)
+             for b in benches}
     _check_settings(out_dir, settings, {"model": str(model), "adapter": adapter,
                                         "method": method, "limit": limit})
     with torch.no_grad():

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pandas as pd
 
+SMOOTH = 10  # steps in the running mean of the study's curves
+
 
 def _pyplot():
     import matplotlib
@@ -28,11 +30,12 @@ def _by_step(frame: pd.DataFrame, draw, title: str, path: Path) -> Path:
     """Reward and entropy side by side against the step; ``draw(ax, rows)`` plots one
     metric's rows."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, metric in zip(axes, ["reward", "entropy"], strict=True):
         draw(ax, frame[frame.metric == metric])
-        ax.set(xlabel="step", ylabel=metric, title=f"{title}: {metric}")
+        ax.set(xlabel="step", ylabel=metric, title=metric)
         ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
     return _save(plt, fig, path)
 
 
@@ -93,17 +96,21 @@ def kernel_speedups(values: pd.DataFrame, out: Path) -> list[Path]:
 
 def science_curves(values: pd.DataFrame, out: Path) -> list[Path]:
     """Reward and entropy by step for each variant of the study: mean over seeds, with a
-    band of one standard deviation."""
+    band of one standard deviation, both as running means over SMOOTH steps (one step's
+    reward is a mean over a few dozen completions: too noisy to read)."""
 
     def draw(ax, rows):
         for variant, part in rows.groupby("recipe"):
             stats = part.groupby("step").value.agg(["mean", "std", "count"])
+            stats[["mean", "std"]] = stats[["mean", "std"]].rolling(SMOOTH, min_periods=1
+                                                                    ).mean()
             spread = stats["std"].fillna(0)
             ax.plot(stats.index, stats["mean"], label=f"{variant} ({stats['count'].max()})")
             ax.fill_between(stats.index, stats["mean"] - spread, stats["mean"] + spread,
                             alpha=0.2)
 
-    return [_by_step(runs, draw, f"{model} (mean +- std)", out / f"science_{model}.png")
+    return [_by_step(runs, draw, f"{model}: mean +- std over seeds (in brackets), "
+                     f"{SMOOTH}-step running mean", out / f"science_{model}.png")
             for model, runs in _steps(values, "science").groupby("model")]
 
 

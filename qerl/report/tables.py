@@ -106,8 +106,9 @@ def efficiency(values: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
 
 
 def science(values: pd.DataFrame, paper: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Per variant of the study, over its seeds (mean and standard deviation): reward and
-    entropy at the last step, reward over the last quarter of the steps, held-out avg@k."""
+    """Per variant of the study, over its seeds (mean and standard deviation): reward over
+    the first and the last quarter of the steps and their difference (the growth), mean
+    entropy over the steps, and each held-out benchmark's avg@k (with how many seeds)."""
     ours = values[values.kind == "science"]
     if ours.empty:
         return pd.DataFrame()
@@ -116,18 +117,28 @@ def science(values: pd.DataFrame, paper: pd.DataFrame | None = None) -> pd.DataF
         steps = runs[runs.bench.str.startswith("step")].copy()
         steps["step"] = steps.bench.str.removeprefix("step").astype(int)
         last = steps.step.max()
-        row = {"model": model, "variant": variant, "seeds": runs.method.nunique(),
-               "steps": last}
-        for name, part in (
-                ("reward (last)", steps[(steps.step == last) & (steps.metric == "reward")]),
-                ("reward (last quarter)", steps[(steps.step > 0.75 * last)
-                                                & (steps.metric == "reward")]
-                 .groupby("method").value.mean().rename("value").reset_index()),
-                ("entropy (last)", steps[(steps.step == last) & (steps.metric == "entropy")]),
-                ("held-out avg", runs[runs.bench.str.startswith("held-out")
-                                      & runs.metric.str.startswith("avg@")])):
+        reward = steps[steps.metric == "reward"]
+        per_seed = pd.DataFrame({
+            "reward (first quarter)": reward[reward.step <= 0.25 * last]
+            .groupby("method").value.mean(),
+            "reward (last quarter)": reward[reward.step > 0.75 * last]
+            .groupby("method").value.mean(),
+            "entropy (mean)": steps[steps.metric == "entropy"].groupby("method").value.mean(),
+        })
+        per_seed["reward growth"] = (per_seed["reward (last quarter)"]
+                                     - per_seed["reward (first quarter)"])
+        row = {"model": model, "variant": variant, "seeds": len(per_seed), "steps": last}
+        for name in ("reward (first quarter)", "reward (last quarter)", "reward growth",
+                     "entropy (mean)"):
+            row[f"{name} mean"] = per_seed[name].mean()
+            row[f"{name} std"] = per_seed[name].std()
+        held_out = runs[runs.bench.str.startswith("held-out")
+                        & runs.metric.str.startswith("avg@")]
+        for (bench, metric), part in held_out.groupby(["bench", "metric"]):
+            name = f"{bench.removeprefix('held-out-')} {metric}"
             row[f"{name} mean"] = part.value.mean()
             row[f"{name} std"] = part.value.std()
+            row[f"{name} seeds"] = len(part)
         rows.append(row)
     return pd.DataFrame(rows)
 

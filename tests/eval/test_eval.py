@@ -132,3 +132,19 @@ def test_the_vllm_backend_samples_with_the_adapter(chat_model, tmp_path):
     assert rows[0]["problems"] == 3
     calls = [c for c in FakeLLM.instances[-1].calls if c[0] == "generate"]
     assert calls and calls[0][2].lora_path.startswith(str(tmp_path / "vllm"))
+
+
+def test_the_arithmetic_task_has_a_held_out_draw(chat_model, tmp_path):
+    from qerl.rl.data import arithmetic_problems
+
+    evaluate(str(chat_model), ["arithmetic-2"], tmp_path, FAST, limit=5)
+    records = lines(tmp_path / "arithmetic-2.jsonl")
+    assert len(records) == 10 and "What is" in records[0]["prompt"]
+    held_out = [r["answer"] for r in records[::2]]
+    assert held_out == [a for _, a in arithmetic_problems(2, 5, seed=-1)]
+    training = {q for q, _ in arithmetic_problems(2, 4096, seed=0)}  # one run's draw
+    questions = {q for q, _ in arithmetic_problems(2, 500, seed=-1)}
+    assert len(questions - training) > 0.7 * len(questions)  # mostly unseen at level 2
+    with pytest.raises(EvalError, match="generated"):
+        evaluate(str(chat_model), ["arithmetic-1"], tmp_path / "x", FAST,
+                 data={"arithmetic-1": "x.jsonl"})

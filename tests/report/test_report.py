@@ -64,9 +64,12 @@ def test_tables_put_the_papers_numbers_beside_ours(results):
                                       "science"}
     study = pd.read_csv(results / "tables/science.csv").set_index("variant")
     assert study.loc["qerl", "seeds"] == 2 and study.loc["qerl", "steps"] == 4
-    assert study.loc["qerl", "reward (last) mean"] == pytest.approx(0.85)
-    assert study.loc["qerl", "reward (last) std"] == pytest.approx(0.1 / 2**0.5)
-    assert study.loc["lora", "held-out avg mean"] == pytest.approx(0.15)
+    assert study.loc["qerl", "reward (last quarter) mean"] == pytest.approx(0.85)
+    assert study.loc["qerl", "reward (last quarter) std"] == pytest.approx(0.1 / 2**0.5)
+    assert study.loc["qerl", "reward growth mean"] == pytest.approx(0.6)  # step 4 - step 1
+    assert study.loc["lora", "reward growth mean"] == pytest.approx(0.3)
+    assert study.loc["lora", "gsm8k avg@4 mean"] == pytest.approx(0.15)
+    assert study.loc["lora", "gsm8k avg@4 seeds"] == 2
     assert "science_smol.png" in written["figures"]
     efficiency = pd.read_csv(results / "tables/efficiency.csv").set_index("method")
     assert efficiency.loc["qerl", "speed vs lora"] == pytest.approx(1.25)

@@ -64,15 +64,22 @@ rule science_train:
         "$(dirname {output})/"
 
 
+def held_out_settings():
+    held_out = SCIENCE.get("held_out", {"benches": ["arithmetic-1"], "problems": 500})
+    data = [f"--data {bench}={DATA[bench]}" for bench in held_out["benches"]
+            if DATA.get(bench)]
+    return " ".join([f"--bench {','.join(held_out['benches'])} --limit {held_out['problems']}",
+                     "--samples 4 --max-tokens 256 --batch 512", f"--device {DEVICE}",
+                     *data])
+
+
 rule science_held_out:
-    """Held-out accuracy at the end: the GSM8K test slice, the adapter on its base."""
+    """Held-out accuracy at the end, the adapter on its base (settings: science.held_out)."""
     input: science_model_input, f"{RESULTS}/science/{{model}}/{{variant}}/seed{{seed}}/metrics.csv"
     output: f"{RESULTS}/science/{{model}}/{{variant}}/seed{{seed}}/eval/summary.csv"
     params:
         policy=science_adapter_args,
-        settings=(f"--bench gsm8k --samples 4 --max-tokens 512 --batch 256 --device {DEVICE} "
-                  f"--limit {SCIENCE.get('held_out', 500)} "
-                  + (f"--data gsm8k={DATA['gsm8k']}" if DATA.get("gsm8k") else "")),
+        settings=held_out_settings(),
         out=f"{WORK}/science/{{model}}/{{variant}}/seed{{seed}}/eval",
     log: f"{WORK}/logs/science_held_out/{{model}}/{{variant}}/seed{{seed}}.log"
     resources: gpu=USES_GPU, mem_mb=32000
