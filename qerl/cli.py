@@ -44,6 +44,7 @@ BENCHMARKS = {
     "rollout": "qerl.bench.rollout",
     "decode-step": "qerl.bench.decode_step",
     "step": "qerl.bench.step",
+    "footprint": "qerl.bench.footprint",
     "entropy": "qerl.bench.entropy",
 }
 

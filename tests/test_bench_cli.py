@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from qerl.cli import main
+
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
@@ -87,3 +91,35 @@ def test_the_entropy_benchmark_compares_weight_formats(chat_model, tmp_path):
 def test_the_entropy_benchmark_refuses_unknown_weights():
     with pytest.raises(SystemExit):
         main(["bench", "entropy", "--data", "x.jsonl", "--weights", "bf16,int3"])
+
+
+def test_the_footprint_estimate_matches_the_measured_steps(tmp_path):
+    """The estimate against every `qerl bench step` run on the H100 (committed results):
+    within 10% at 7B-32B, within 30% at 3B; the runs that ran out of memory estimated
+    above the card's 80 GB. The weights term is the NVFP4 checkpoint's size (5.85 GB)."""
+    import pandas as pd
+
+    from qerl.bench.footprint import estimate, measured_peaks
+
+    assert estimate("qwen2.5-7b", "qerl", 2, 8, 2048, 8)["weights"] == pytest.approx(5.85,
+                                                                                     rel=0.01)
+    peaks = measured_peaks(RESULTS / "efficiency_NVIDIA_H100_80GB_HBM3.csv")
+    assert len(peaks) >= 12
+    for (model, method, p, g, length, micro_batch, rank), (status, peak) in peaks.items():
+        total = estimate(model, method, p, g, length, micro_batch, rank=rank)["total"]
+        if status == "oom":
+            assert total > 80, model
+        else:
+            assert total == pytest.approx(peak, rel=0.3 if model == "qwen2.5-3b" else 0.1)
+    main(["bench", "footprint", "--archs", "qwen2.5-72b", "--methods", "qerl", "--prompts",
+          "1", "--micro-batch", "8,1", "--out-dir", str(tmp_path)])
+    rows = pd.read_csv(tmp_path / "footprint_P1_G8_L2048.csv")
+    assert rows.total.iloc[0] > 80 > rows.total.iloc[1]  # a smaller micro-batch fits
+    assert rows.checkpointed.iloc[0] == pytest.approx(8 * rows.checkpointed.iloc[1], rel=0.01)
+
+
+def test_the_footprint_refuses_what_it_does_not_model(tmp_path):
+    with pytest.raises(SystemExit, match="methods are"):
+        main(["bench", "footprint", "--methods", "full", "--out-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="does not exist"):
+        main(["bench", "footprint", "--measured", str(tmp_path / "x.csv")])
