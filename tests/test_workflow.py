@@ -4,9 +4,11 @@ the lint finds nothing but what we chose to accept."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -105,3 +107,30 @@ def test_lint_finds_only_accepted_lints():
         elif line.startswith("    * ") and not any(ok in line for ok in ACCEPTED):
             found.append(f"{where}: {line[6:]}")
     assert not found, "\n".join(found)
+
+
+def gpu_job(tmp: Path, name: str, visible: str | None, seconds: float = 0.0,
+            status: int = 0) -> subprocess.Popen:
+    """A job through gpu_slot.py that writes the GPU it was given."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    body = (f"import os, sys, time; open({str(tmp / name)!r}, 'w').write("
+            f"os.environ.get('CUDA_VISIBLE_DEVICES', '-')); time.sleep({seconds}); "
+            f"sys.exit({status})")
+    return subprocess.Popen([sys.executable, str(ROOT / "workflows/scripts/gpu_slot.py"),
+                             str(tmp / "locks"), "--", sys.executable, "-c", body], env=env)
+
+
+def test_gpu_jobs_each_take_a_gpu_no_other_job_holds(tmp_path):
+    first = [gpu_job(tmp_path, f"job{i}", "3,5", seconds=1.5) for i in range(2)]
+    time.sleep(0.5)
+    third = gpu_job(tmp_path, "job2", "3,5")  # both GPUs held: it waits for one
+    time.sleep(0.5)
+    assert not (tmp_path / "job2").exists()
+    assert [job.wait() for job in (*first, third)] == [0, 0, 0]
+    given = [(tmp_path / f"job{i}").read_text() for i in range(3)]
+    assert sorted(given[:2]) == ["3", "5"] and given[2] in ("3", "5")
+    assert gpu_job(tmp_path, "failed", "3", status=7).wait() == 7  # the command's status
+    assert gpu_job(tmp_path, "cpu", "").wait() == 0  # no GPU: runs as it is
+    assert (tmp_path / "cpu").read_text() == ""

@@ -41,6 +41,7 @@ rule lm_eval_gsm8k:
     log: f"{WORK}/logs/lm_eval_gsm8k/{{model}}.log"
     benchmark: f"{WORK}/benchmarks/lm_eval_gsm8k/{{model}}.tsv"
     params:
+        on_gpu=ON_GPU,
         bin=env_bin("lm-eval"),
         model=base_model_of,
         tasks=(f"--include_path {WORK}/eval/lm-eval-tasks --tasks gsm8k_local" if LOCAL_GSM8K
@@ -50,7 +51,7 @@ rule lm_eval_gsm8k:
         device=DEVICE,
     resources: gpu=USES_GPU, mem_mb=32000
     shell:
-        "{params.bin}/lm_eval run --model hf "
+        "{params.on_gpu}{params.bin}/lm_eval run --model hf "
         "--model_args pretrained={params.model},dtype=bfloat16 --device {params.device} "
         "--batch_size {params.batch} {params.tasks} {params.limit} --seed 0 --log_samples "
         "--output_path {output} > {log} 2>&1"
@@ -70,6 +71,7 @@ rule lighteval_math:
     log: f"{WORK}/logs/lighteval_math/{{model}}.log"
     benchmark: f"{WORK}/benchmarks/lighteval_math/{{model}}.tsv"
     params:
+        on_gpu=ON_GPU,
         bin=env_bin("lighteval"),
         model=base_model_of,
         batch=BASE_EVAL.get("batch_size_lighteval", 8),
@@ -80,7 +82,7 @@ rule lighteval_math:
         device=DEVICE,
     resources: gpu=USES_GPU, mem_mb=32000
     shell:
-        "QERL_LIGHTEVAL_DATA={params.data} "
+        "{params.on_gpu}env QERL_LIGHTEVAL_DATA={params.data} "
         "QERL_LIGHTEVAL_MAX_TOKENS={params.max_tokens} {params.bin}/lighteval accelerate "
         "'model_name={params.model},device={params.device},dtype=bfloat16,"
         "batch_size={params.batch},generation_parameters={{temperature:0.0}}' "

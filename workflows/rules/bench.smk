@@ -21,7 +21,7 @@ def bench_gpu(wildcards):
 
 rule bench:
     output: directory(f"{RESULTS}/bench/{{bench}}")
-    params: args=bench_args, out=bench_out
+    params: args=bench_args, out=bench_out, on_gpu=ON_GPU
     log: f"{WORK}/logs/bench/{{bench}}.log"
     resources: gpu=bench_gpu, mem_mb=64000
-    shell: "mkdir -p {output} && qerl bench {wildcards.bench} {params.args} {params.out} > {log} 2>&1"
+    shell: "mkdir -p {output} && {params.on_gpu}qerl bench {wildcards.bench} {params.args} {params.out} > {log} 2>&1"

@@ -16,6 +16,8 @@ MODELS = config["models"]  # name -> directory, hub id, .gguf, packaged GGUF nam
 DATA = config.get("data", {})  # benchmark or task -> local file (else the hub)
 PACKAGED_GGUF = {"smollm2-135m-instruct"}
 USES_GPU = int(DEVICE == "cuda")
+# GPU jobs take a GPU no other job holds (Snakemake counts GPUs but does not assign them).
+ON_GPU = f"python workflows/scripts/gpu_slot.py {WORK}/gpu-locks -- " if USES_GPU else ""
 
 
 def _check_models():
@@ -129,7 +131,7 @@ rule side_env:
 rule export_bf16:
     """A BF16 Hugging Face folder of a GGUF model or of random weights (arch:NAME)."""
     output: directory(f"{WORK}/models/{{model}}/bf16")
-    params: source=export_args, device=DEVICE
+    params: source=export_args, device=DEVICE, on_gpu=ON_GPU
     log: f"{WORK}/logs/export_bf16/{{model}}.log"
     resources: mem_mb=16000, gpu=USES_GPU
-    shell: "qerl export {params.source} --device {params.device} --out {output} > {log} 2>&1"
+    shell: "{params.on_gpu}qerl export {params.source} --device {params.device} --out {output} > {log} 2>&1"

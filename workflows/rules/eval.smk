@@ -34,6 +34,7 @@ rule eval_trained:
         final=f"{WORK}/runs/{{model}}/{{recipe}}/{{method}}/final",
     output: f"{RESULTS}/eval/{{model}}/{{recipe}}/{{method}}/summary.csv"
     params:
+        on_gpu=ON_GPU,
         policy=trained_policy_args,
         tokenizer=tokenizer_arg,
         settings=eval_args(),
@@ -42,7 +43,7 @@ rule eval_trained:
     benchmark: f"{WORK}/benchmarks/eval/{{model}}/{{recipe}}/{{method}}.tsv"
     resources: gpu=USES_GPU, mem_mb=64000
     shell:
-        "qerl eval {params.policy} {params.tokenizer} {params.settings} --out {params.out} "
+        "{params.on_gpu}qerl eval {params.policy} {params.tokenizer} {params.settings} --out {params.out} "
         "> {log} 2>&1 && cp {params.out}/summary.csv {params.out}/summary.json "
         "$(dirname {output})/"
 
@@ -64,6 +65,7 @@ rule eval_base:
     output: f"{RESULTS}/eval/{{model}}/base/{{weights}}/summary.csv"
     wildcard_constraints: weights="bf16|nvfp4"
     params:
+        on_gpu=ON_GPU,
         policy=base_weights_args,
         tokenizer=tokenizer_arg,
         settings=eval_args(),
@@ -72,6 +74,6 @@ rule eval_base:
     benchmark: f"{WORK}/benchmarks/eval_base/{{model}}/{{weights}}.tsv"
     resources: gpu=USES_GPU, mem_mb=64000
     shell:
-        "qerl eval {params.policy} {params.tokenizer} {params.settings} --out {params.out} "
+        "{params.on_gpu}qerl eval {params.policy} {params.tokenizer} {params.settings} --out {params.out} "
         "> {log} 2>&1 && cp {params.out}/summary.csv {params.out}/summary.json "
         "$(dirname {output})/"

@@ -53,13 +53,14 @@ rule science_train:
     input: science_model_input, recipe=SCIENCE.get("recipe", [])
     output: f"{RESULTS}/science/{{model}}/{{variant}}/seed{{seed}}/metrics.csv"
     params:
+        on_gpu=ON_GPU,
         sets=science_sets,
         run=f"{WORK}/science/{{model}}/{{variant}}/seed{{seed}}",
     log: f"{WORK}/logs/science_train/{{model}}/{{variant}}/seed{{seed}}.log"
     benchmark: f"{WORK}/benchmarks/science_train/{{model}}/{{variant}}/seed{{seed}}.tsv"
     resources: gpu=USES_GPU, mem_mb=32000
     shell:
-        "qerl train --config {input.recipe} {params.sets} > {log} 2>&1 && "
+        "{params.on_gpu}qerl train --config {input.recipe} {params.sets} > {log} 2>&1 && "
         "cp {params.run}/metrics.csv {params.run}/config.yaml {params.run}/provenance.json "
         "$(dirname {output})/"
 
@@ -78,19 +79,21 @@ rule science_held_out:
     input: science_model_input, f"{RESULTS}/science/{{model}}/{{variant}}/seed{{seed}}/metrics.csv"
     output: f"{RESULTS}/science/{{model}}/{{variant}}/seed{{seed}}/eval/summary.csv"
     params:
+        on_gpu=ON_GPU,
         policy=science_adapter_args,
         settings=held_out_settings(),
         out=f"{WORK}/science/{{model}}/{{variant}}/seed{{seed}}/eval",
     log: f"{WORK}/logs/science_held_out/{{model}}/{{variant}}/seed{{seed}}.log"
     resources: gpu=USES_GPU, mem_mb=32000
     shell:
-        "qerl eval {params.policy} {params.settings} --out {params.out} > {log} 2>&1 && "
+        "{params.on_gpu}qerl eval {params.policy} {params.settings} --out {params.out} > {log} 2>&1 && "
         "cp {params.out}/summary.csv {params.out}/summary.json $(dirname {output})/"
 
 
 rule science_entropy:
     output: directory(f"{RESULTS}/science/{{model}}/entropy")
     params:
+        on_gpu=ON_GPU,
         source=model_source,
         args=SCIENCE.get("entropy", ""),
         data=f"--data {DATA['gsm8k']}" if DATA.get("gsm8k") else "",
@@ -98,5 +101,5 @@ rule science_entropy:
     log: f"{WORK}/logs/science_entropy/{{model}}.log"
     resources: gpu=USES_GPU, mem_mb=32000
     shell:
-        "qerl bench entropy --model {params.source} {params.data} {params.args} "
+        "{params.on_gpu}qerl bench entropy --model {params.source} {params.data} {params.args} "
         "--device {params.device} --out-dir {output} > {log} 2>&1"

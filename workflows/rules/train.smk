@@ -37,12 +37,13 @@ rule train:
         metrics=f"{RESULTS}/train/{{model}}/{{recipe}}/{{method}}/metrics.csv",
         final=directory(f"{WORK}/runs/{{model}}/{{recipe}}/{{method}}/final"),
     params:
+        on_gpu=ON_GPU,
         sets=train_overrides,
         run=f"{WORK}/runs/{{model}}/{{recipe}}/{{method}}",
     log: f"{WORK}/logs/train/{{model}}/{{recipe}}/{{method}}.log"
     benchmark: f"{WORK}/benchmarks/train/{{model}}/{{recipe}}/{{method}}.tsv"
     resources: gpu=USES_GPU, mem_mb=64000
     shell:
-        "qerl train --config {input.recipe} {params.sets} > {log} 2>&1 && "
+        "{params.on_gpu}qerl train --config {input.recipe} {params.sets} > {log} 2>&1 && "
         "cp {params.run}/metrics.csv {params.run}/config.yaml {params.run}/provenance.json "
         "$(dirname {output.metrics})/"
