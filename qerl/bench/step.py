@@ -129,9 +129,11 @@ def table(frame) -> str:
 
 
 def figure(frame, path: Path) -> None:
-    """Per settings: each (model, method)'s step time stacked by phase, and its peak GPU
-    memory against the card's capacity (runs out of memory drawn at the peak they reached)."""
+    """Per settings: each (model, method)'s step time stacked by phase with its speed against
+    LoRA (the paper's in brackets), and its peak GPU memory against an 80 GB card (runs out
+    of memory drawn at the peak they reached)."""
     import matplotlib
+    import pandas as pd
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -148,6 +150,11 @@ def figure(frame, path: Path) -> None:
             values = rows[f"{phase}_s"].fillna(0).to_numpy()
             axes[0][col].bar(labels, values, bottom=bottom, label=phase)
             bottom = bottom + values
+        for x, (top, ours, theirs) in enumerate(zip(
+                bottom, rows["speed vs lora"], rows["paper speed vs lora"], strict=True)):
+            if pd.notna(ours):
+                text = f"{ours:.2f}x" + (f"\n({theirs:.1f}x)" if pd.notna(theirs) else "")
+                axes[0][col].annotate(text, (x, top), ha="center", va="bottom", fontsize=6)
         setting = dict(zip(SETTINGS, settings, strict=True))
         axes[0][col].set_title(f"P={setting['prompts']} G={setting['generations']} "
                                f"L={setting['completion']}"
