@@ -128,7 +128,7 @@ def table(frame) -> str:
     return frame[[c for c in columns if c in frame]].to_markdown(index=False, floatfmt=".3g")
 
 
-def figure(frame, path: Path) -> None:
+def figure(frame, path: Path, card: str) -> None:
     """Per settings: each (model, method)'s step time stacked by phase with its speed against
     LoRA (the paper's in brackets), and its peak GPU memory against an 80 GB card (runs out
     of memory drawn at the peak they reached)."""
@@ -167,7 +167,7 @@ def figure(frame, path: Path) -> None:
     axes[0][0].set_ylabel("step time (s)")
     axes[0][0].legend(fontsize=7)
     axes[1][0].set_ylabel("peak GPU memory (GB)\nred: out of memory")
-    fig.suptitle(f"One RL step, {path.stem.removeprefix('efficiency_').replace('_', ' ')}")
+    fig.suptitle(f"One RL step, {card}")
     fig.tight_layout()
     fig.savefig(path.with_suffix(".png"), dpi=110)
     plt.close(fig)
@@ -177,9 +177,9 @@ def write_table(path: Path) -> Path:
     """The markdown table and the figure beside the CSV at ``path``, from all its rows."""
     import pandas as pd
 
-    figure(pd.read_csv(path), path)
-    out = path.with_suffix(".md")
     card = path.stem.removeprefix("efficiency_").replace("_", " ")
+    figure(pd.read_csv(path), path, card)
+    out = path.with_suffix(".md")
     out.write_text(f"# qerl bench step, {card}\n\n"
                    "P prompts x G completions of L (`completion`) tokens per step; "
                    "`step_s` is the sum of the phases (median over the steps after the "
