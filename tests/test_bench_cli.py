@@ -123,3 +123,16 @@ def test_the_footprint_refuses_what_it_does_not_model(tmp_path):
         main(["bench", "footprint", "--methods", "full", "--out-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="does not exist"):
         main(["bench", "footprint", "--measured", str(tmp_path / "x.csv")])
+
+
+def test_the_rollout_figure_takes_a_rollout_csv(tmp_path):
+    """The committed H100 measurements redraw (the paper's rank numbers beside); anything
+    but a CSV is refused by name."""
+    import shutil
+
+    csv = tmp_path / "rollout_NVIDIA_H100_80GB_HBM3.csv"
+    shutil.copy(RESULTS / csv.name, csv)
+    main(["bench", "rollout", "--plot", str(csv)])
+    assert csv.with_suffix(".png").stat().st_size > 1000
+    with pytest.raises(SystemExit, match="takes a rollout CSV"):
+        main(["bench", "rollout", "--plot", str(csv.with_suffix(".png"))])

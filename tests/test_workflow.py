@@ -134,3 +134,19 @@ def test_gpu_jobs_each_take_a_gpu_no_other_job_holds(tmp_path):
     assert gpu_job(tmp_path, "failed", "3", status=7).wait() == 7  # the command's status
     assert gpu_job(tmp_path, "cpu", "").wait() == 0  # no GPU: runs as it is
     assert (tmp_path / "cpu").read_text() == ""
+
+
+def test_gpu_jobs_of_a_gpu_configuration_go_through_the_gpu_slot():
+    """Every GPU job of the gpu configuration takes its own GPU; the study's held-out check
+    is the arithmetic task's held-out draw."""
+    done = snakemake("-n", "-p", "--forceall", "--configfile", "workflows/config/gpu.yaml",
+                     "--", "science_all")
+    commands = [line for line in (done.stdout + done.stderr).splitlines()
+                if line.startswith("Shell command:")]
+    assert done.returncode == 0 and commands
+    assert all("gpu_slot.py" in line for line in commands if " qerl " in line)
+    held_out = [line for line in commands if " qerl eval " in line]
+    assert held_out and all("--bench arithmetic-1,arithmetic-2 --limit 500" in line
+                            for line in held_out)
+    smoke = snakemake("-n", "-p", "--forceall")
+    assert "gpu_slot.py" not in smoke.stdout + smoke.stderr  # CPU configurations run as is
