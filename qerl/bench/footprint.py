@@ -15,7 +15,7 @@ The terms (decimal GB), for P prompts x G completions of L tokens after a prompt
 - checkpointed: each layer's input for one micro-batch, kept for the backward pass;
 - layer: one layer's activations while it is recomputed in the backward pass;
 - logits: one micro-batch's BF16 logits over the vocabulary.
-Checked against `qerl bench step` on an H100 (tests/test_bench_cli.py): 7B-32B within 10%;
+Checked against `qerl bench step` on an H100 (tests/test_bench_cli.py): 7B-72B within 10%;
 3B overestimated by ~25% (its logits are not all live at once).
 ``--measured`` adds the measured peak of runs with the same settings beside each row.
 """
