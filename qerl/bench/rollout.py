@@ -99,10 +99,11 @@ def plot(csv_path: Path) -> Path:
     import pandas as pd
 
     from qerl.report.run import PAPER
+    from qerl.report.tables import paper_model
 
     paper = pd.read_csv(PAPER)
     paper = paper[(paper.metric == "rollout_throughput") & paper.lora_rank.notna()]
-    paper = paper.assign(model=paper.model.str.lower().str.removesuffix("-instruct"))
+    paper = paper.assign(model=paper.model.map(paper_model))
     colours = {w: f"C{i}" for i, w in enumerate(WEIGHTS)}
     df = pd.read_csv(csv_path)
     engine = df[(df.weights != "hf-bf16") & (df.get("fused", 1) == 1)]

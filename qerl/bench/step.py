@@ -100,6 +100,7 @@ def compare(frame):
     import pandas as pd
 
     from qerl.report.run import PAPER
+    from qerl.report.tables import paper_model
 
     frame = frame.drop_duplicates(["model", "method", *SETTINGS], keep="last")
     frame = frame.sort_values(["completion", "prompts", "model", "method"], key=_order,
@@ -112,7 +113,7 @@ def compare(frame):
         for k, s in zip(keys, frame.step_s, strict=True)]})
     paper = pd.read_csv(PAPER)
     paper = paper[paper.metric == "end_to_end_speed"]
-    speed = {(m.lower().removesuffix("-instruct"), method): v
+    speed = {(paper_model(m), method): v
              for m, method, v in zip(paper.model, paper.method, paper.value, strict=True)}
     frame["paper speed vs lora"] = [speed.get((m, method)) for m, method
                                     in zip(frame.model, frame.method, strict=True)]

@@ -10,7 +10,7 @@ PAPER_METRIC = {"gsm8k": "gsm8k_accuracy", "math500": "math500_accuracy"}
 ROLLOUT_METHOD = {"bf16": "lora", "nvfp4": "qerl"}
 
 
-def _paper_model(model: str) -> str:
+def paper_model(model: str) -> str:
     """'qwen2.5-7b-instruct' and 'qwen2.5-7b' both name the paper's Qwen2.5-7B-Instruct."""
     return model.lower().removesuffix("-instruct")
 
@@ -23,8 +23,8 @@ def accuracy(values: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
     table = ours.assign(reproduced=ours.value * 100)[
         ["model", "recipe", "method", "bench", "reproduced"]]
     ref = paper[paper.metric.isin(PAPER_METRIC.values())]
-    lookup = {(_paper_model(r.model), r.method, r.metric): r.value for r in ref.itertuples()}
-    table["paper"] = [lookup.get((_paper_model(r.model), r.method, PAPER_METRIC.get(r.bench)))
+    lookup = {(paper_model(r.model), r.method, r.metric): r.value for r in ref.itertuples()}
+    table["paper"] = [lookup.get((paper_model(r.model), r.method, PAPER_METRIC.get(r.bench)))
                       for r in table.itertuples()]
     table["delta"] = table.reproduced - table.paper
     return table.reset_index(drop=True)
@@ -42,14 +42,14 @@ def rollout(values: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
         return wide
     wide["nvfp4/bf16"] = wide.nvfp4 / wide.bf16
     ref = paper[paper.metric == "rollout_throughput"]
-    by = {(_paper_model(r.model), r.method, r.lora_rank): r.value for r in ref.itertuples()}
+    by = {(paper_model(r.model), r.method, r.lora_rank): r.value for r in ref.itertuples()}
     # The paper's 7B numbers name no rank (its default, r32).
-    unranked = {(_paper_model(r.model), r.method): r.value for r in ref.itertuples()
+    unranked = {(paper_model(r.model), r.method): r.value for r in ref.itertuples()
                 if pd.isna(r.lora_rank)}
     ratios = []
     for r in wide.itertuples():
         rank = float(r.bench.split("-")[0].removeprefix("r"))
-        model = _paper_model(r.model)
+        model = paper_model(r.model)
         qerl = by.get((model, "qerl", rank), unranked.get((model, "qerl")))
         lora = by.get((model, "lora", rank), unranked.get((model, "lora")))
         ratios.append(qerl / lora if qerl and lora else None)
@@ -99,8 +99,8 @@ def efficiency(values: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
                              if (r.card, r.model, r.setting) in lora else None
                              for r in wide.itertuples()]
     ref = paper[paper.metric == "end_to_end_speed"]
-    speed = {(_paper_model(r.model), r.method): r.value for r in ref.itertuples()}
-    wide["paper speed vs lora"] = [speed.get((_paper_model(r.model), r.method))
+    speed = {(paper_model(r.model), r.method): r.value for r in ref.itertuples()}
+    wide["paper speed vs lora"] = [speed.get((paper_model(r.model), r.method))
                                    for r in wide.itertuples()]
     return wide
 
