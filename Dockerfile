@@ -30,7 +30,9 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # Python 3.12 is Ubuntu 24.04's python3. gcc, libc6-dev and python3-dev: Triton compiles
-# a small C launcher for its kernels at run time.
+# a small C launcher for its kernels at run time. cuda-nvcc and cuda-cudart-dev (from the
+# base image's NVIDIA apt repository): nvcc and the CUDA headers, for qerl's CUDA kernel
+# (kernels/nvfp4_gemv.cu), built below for the common GPU architectures.
 # DL3008 (pin apt versions) is ignored on purpose: the versions are those that the Ubuntu
 # 24.04 archive serves at build time over the base image's own packages; Ubuntu drops
 # superseded -updates/-security versions from its index, so exact pins would make the
@@ -39,6 +41,8 @@ ENV PYTHONUNBUFFERED=1 \
 RUN apt-get update \
     && apt-get install -y --no-install-recommends \
         ca-certificates \
+        cuda-cudart-dev-13-0 \
+        cuda-nvcc-13-0 \
         gcc \
         libc6-dev \
         python3 \
@@ -70,8 +74,12 @@ RUN python3 -m venv /opt/venv \
     && pip install --no-cache-dir --no-build-isolation \
         -r requirements/main.txt -c requirements/constraints.txt
 
-# The repository, and qerl itself from it (its dependencies are all in main.txt).
+# The repository, and qerl itself from it (its dependencies are all in main.txt); then its
+# CUDA kernel for Ampere, Ada, Hopper and Blackwell (no GPU needed to build), so that a
+# container's first rollout does not wait for nvcc.
+ENV CUDA_HOME=/usr/local/cuda QERL_CACHE=/opt/qerl-cache
 COPY . /workspace
-RUN pip install --no-cache-dir --no-deps --no-build-isolation -e /workspace
+RUN pip install --no-cache-dir --no-deps --no-build-isolation -e /workspace \
+    && python3 -m qerl.kernels.nvfp4_gemv 80 86 89 90 100 120
 
 CMD ["snakemake", "--cores", "all"]

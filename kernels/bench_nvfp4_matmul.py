@@ -117,7 +117,18 @@ class LayerBench:
         err = ((ours().double() - ref).norm() / ref.norm()).item()
         nbytes = self.n * self.k * 9 // 16 + 2 * m * (width + out_width)
         return {"ours_us": time_us(ours), "bf16_us": time_us(bf16),
+                "triton_us": self._triton_us(ours) if fwd and m <= km.FUSED_MAX_M else None,
                 "naive_us": time_us(naive, graph=False), "nvfp4_bytes": nbytes, "rel_err": err}
+
+    @staticmethod
+    def _triton_us(ours) -> float:
+        """The Triton fused forward, which the CUDA kernel replaced at small M: the
+        baseline of the same run."""
+        saved, km.FORWARD_KERNEL = km.FORWARD_KERNEL, "triton"
+        try:
+            return time_us(ours)
+        finally:
+            km.FORWARD_KERNEL = saved
 
 
 def run(out_dir: Path, models=MODELS, m_values=M_VALUES, layers=None) -> Path:
@@ -135,6 +146,8 @@ def run(out_dir: Path, models=MODELS, m_values=M_VALUES, layers=None) -> Path:
                 rows.append({**base, "copy_gbps": round(bandwidth / 1e9, 1), "model": arch,
                              "layer": layer, "op": op, "M": m, "N": n, "K": k,
                              "ours_us": round(r["ours_us"], 2), "bf16_us": round(r["bf16_us"], 2),
+                             "triton_fused_us": (round(r["triton_us"], 2)
+                                                 if r["triton_us"] is not None else None),
                              "naive_us": round(r["naive_us"], 2),
                              "floor_us": round(1e6 * r["nvfp4_bytes"] / bandwidth, 2),
                              "speedup_vs_bf16": round(r["bf16_us"] / r["ours_us"], 3),

@@ -1,0 +1,361 @@
+// Small-M NVFP4 matmul on tensor cores: out[S][M][N] = split-K partial sums of
+// x[M, K] @ deq(W[N, K])^T, for M <= 32 (rollout decode steps). Built and loaded by
+// nvfp4_gemv.py; the layout and the decode are the Triton kernels' (nvfp4_layout.py,
+// nvfp4_matmul.py), so both read the same packed weight.
+//
+// Why by hand: Triton stages W through shared memory and moves it into mma operand
+// registers, which cost ~6 instructions a weight at ~25% of bandwidth (NOTES.md). Here W is
+// mma's A operand (16 rows of W x 16 of K) and x^T its B operand (K x 8 tokens), so each
+// thread loads its own fragments with 16-byte loads straight into registers, and no layout
+// change is needed at all: mma sums over K in any order, as long as A and B agree. Thread
+// (g, t) of a warp (g = lane / 4, t = lane % 4) owns W rows g and g + 8 of its 16-row strip
+// and token g of each 8-token tile; in a quad of chunks it reads chunk p = 4q + t (32
+// weights of each row: the 16 bytes of the pair-interleaved layout) and the 32
+// activations x[token, 32p .. 32p + 31] that those weights multiply. One 32-bit word of a
+// row's chunk is bytes 4w..4w+3: low nibbles = codes 32p + 4w + {0..3}, high nibbles =
+// codes 32p + 16 + 4w + {0..3}. Two mma steps consume a word of row g and of row g + 8:
+// the codes pair up with the contiguous activation pairs (x words) they multiply.
+//
+// Decode (per 16-bit pair): a byte spread into the low byte of each half (prmt), its low
+// nibble masked and multiplied by 2^12 + 2^6 puts the sign at bit 15 and the magnitude at
+// bits 6-8 of a bf16 (E2M1 * 2^-126; code 1 lands on a subnormal), the high nibble by
+// 2^8 + 2^2; one packed multiply by the group scale (fp8 -> bf16 * 2^64, exact) gives the
+// exact weight * scale * 2^-62, and the fp32 accumulator is multiplied by 2^62 /
+// global_scale once at the end. fp16 places the magnitude at bits 9-11 (E2M1 * 2^-14).
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace {
+
+constexpr int kWarps = 4;  // per block; they split the block's rows and/or its K range
+
+struct alignas(16) Vec4 {
+  uint32_t v[4];
+};
+
+// W streams through once: keep it out of L1, where x (read by every warp) lives.
+__device__ __forceinline__ Vec4 load_stream(const uint8_t* p) {
+  Vec4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(r.v[0]), "=r"(r.v[1]), "=r"(r.v[2]), "=r"(r.v[3])
+      : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ Vec4 load_cached(const uint16_t* p) {
+  const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+  return Vec4{{u.x, u.y, u.z, u.w}};
+}
+
+// One pipeline stage: a thread's two rows of one chunk, and their four group scales
+// (byte 0: group 2p, byte 1: group 2p + 1).
+struct Stage {
+  Vec4 w[2];
+  uint32_t s[2];
+};
+
+template <bool BF16>
+__device__ __forceinline__ uint32_t decode_lo(uint32_t b) {
+  if (BF16) return ((b & 0x000F000Fu) * 4160u) & 0x81C081C0u;
+  return ((b << 9) & 0x0E000E00u) | ((b << 12) & 0x80008000u);
+}
+
+template <bool BF16>
+__device__ __forceinline__ uint32_t decode_hi(uint32_t b) {
+  if (BF16) return ((b & 0x00F000F0u) * 260u) & 0x81C081C0u;
+  return ((b << 5) & 0x0E000E00u) | ((b << 8) & 0x80008000u);
+}
+
+template <bool BF16>
+__device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  if (BF16) {
+    // fma with -0 (sm_80+; mul.bf16x2 needs sm_90): exact, subnormals kept.
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  } else {
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  }
+  return d;
+}
+
+template <bool BF16>
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  if (BF16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two fp8 scales -> each broadcast to a 16-bit pair in x's dtype (bf16: times 2^64).
+template <bool BF16>
+__device__ __forceinline__ void scale_pairs(uint32_t s, uint32_t& lo, uint32_t& hi) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(s), __NV_E4M3);
+  uint32_t bits;
+  memcpy(&bits, &h, 4);
+  if (BF16) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&bits));
+    const float up = 18446744073709551616.0f;  // 2^64
+    const __nv_bfloat162 l = __floats2bfloat162_rn(f.x * up, f.x * up);
+    const __nv_bfloat162 u = __floats2bfloat162_rn(f.y * up, f.y * up);
+    memcpy(&lo, &l, 4);
+    memcpy(&hi, &u, 4);
+  } else {
+    lo = __byte_perm(bits, 0, 0x1010);
+    hi = __byte_perm(bits, 0, 0x3232);
+  }
+}
+
+template <bool BF16>
+__device__ __forceinline__ float to_float(uint16_t v) {
+  if (BF16) return __uint_as_float(static_cast<uint32_t>(v) << 16);
+  __half h;
+  memcpy(&h, &v, 2);
+  return __half2float(h);
+}
+
+template <bool BF16>
+__device__ __forceinline__ uint16_t from_float(float v) {
+  uint16_t r;
+  if (BF16) {
+    const __nv_bfloat16 b = __float2bfloat16_rn(v);
+    memcpy(&r, &b, 2);
+  } else {
+    const __half h = __float2half_rn(v);
+    memcpy(&r, &h, 2);
+  }
+  return r;
+}
+
+struct Args {
+  const uint16_t* x;
+  const uint8_t* pairs;
+  const uint8_t* scale;
+  const float* global_scale;
+  const uint16_t* bias;  // or null
+  void* out;             // [splits][M][N]: fp32 if out_f32, else x's dtype
+  long long stride_xm, stride_p, stride_s, stride_os, stride_om;
+  int m, n, groups;
+  int k_warps;          // warps of a block that split its K range (1, 2 or 4)
+  int quads_per_split;  // quads of chunks (4 x 32 weights of K) per blockIdx.y
+  int out_f32;
+  float post;  // 2^62 (bf16) or 2^14 (fp16)
+};
+
+constexpr int kDepth = 2;  // chunks in flight per warp (4 measured slower: fewer warps fit)
+
+// Blocks per SM the registers must allow: the warps in flight are what hides memory
+// latency, and x's registers (16 per 8-token tile) would otherwise halve them at M = 16.
+template <int MT>
+constexpr int min_blocks() {
+  return MT == 1 ? 7 : MT == 2 ? 6 : 4;
+}
+
+// MT: 8-token tiles (M <= 8 * MT).
+template <bool BF16, int MT>
+__global__ void __launch_bounds__(kWarps * 32, min_blocks<MT>())
+    nvfp4_gemv_kernel(const Args a) {
+  __shared__ float partial[kWarps][MT * 4][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int strips_per_block = kWarps / a.k_warps;
+  const int strip = blockIdx.x * strips_per_block + warp / a.k_warps;
+  const int kslice = warp % a.k_warps;
+  const int rows[2] = {strip * 16 + g, strip * 16 + g + 8};
+  const int chunks = (a.groups + 1) / 2;
+  const int quads = (chunks + 3) / 4;
+  // This block's quads, then this warp's share of them.
+  const int b_begin = blockIdx.y * a.quads_per_split;
+  const int b_end = min(quads, b_begin + a.quads_per_split);
+  const int per_warp = (max(b_end - b_begin, 0) + a.k_warps - 1) / a.k_warps;
+  const int q_begin = b_begin + kslice * per_warp;
+  const int q_end = min(b_end, q_begin + per_warp);
+
+  auto load = [&](Stage& st, int q) {
+    const int p = 4 * q + t;
+    const bool chunk_ok = q < q_end && p < chunks;
+    const bool hi_ok = chunk_ok && 2 * p + 1 < a.groups;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (chunk_ok && rows[r] < a.n) {
+        st.w[r] = load_stream(a.pairs + rows[r] * a.stride_p + 16 * p);
+        const uint8_t* s = a.scale + rows[r] * a.stride_s + 2 * p;
+        st.s[r] = __ldg(s) | (hi_ok ? static_cast<uint32_t>(__ldg(s + 1)) << 8 : 0u);
+      } else {
+        st.w[r] = Vec4{{0, 0, 0, 0}};
+        st.s[r] = 0;
+      }
+    }
+  };
+
+  float acc[MT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[mt][j] = 0.f;
+
+  Stage st[kDepth];
+#pragma unroll
+  for (int i = 0; i < kDepth; ++i) load(st[i], q_begin + i);
+
+  for (int q0 = q_begin; q0 < q_end; q0 += kDepth) {
+#pragma unroll
+    for (int i = 0; i < kDepth; ++i) {
+      const int q = q0 + i;
+      if (q >= q_end) break;
+      const int p = 4 * q + t;
+      const bool chunk_ok = p < chunks;
+      const bool hi_ok = chunk_ok && 2 * p + 1 < a.groups;
+      uint32_t s_lo[2], s_hi[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) scale_pairs<BF16>(st[i].s[r], s_lo[r], s_hi[r]);
+      // Activations x[token, 32p .. 32p + 31] in two halves (fewer live registers): half
+      // e holds pairs 4e..4e+3 (under the low nibbles of words 2e, 2e + 1) and 8 + 4e..
+      // 8 + 4e + 3 (under the high nibbles).
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        Vec4 xv[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const int tok = mt * 8 + g;
+          const uint16_t* xp = a.x + tok * a.stride_xm + 32 * p + 8 * e;
+          const bool ok = chunk_ok && tok < a.m;
+          xv[mt][0] = ok ? load_cached(xp) : Vec4{{0, 0, 0, 0}};
+          xv[mt][1] = ok && hi_ok ? load_cached(xp + 16) : Vec4{{0, 0, 0, 0}};
+        }
+#pragma unroll
+        for (int w = 2 * e; w < 2 * e + 2; ++w) {
+          const uint32_t b0 = st[i].w[0].v[w], b1 = st[i].w[1].v[w];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t sel = h ? 0x4342 : 0x4140;
+            const uint32_t r0 = __byte_perm(b0, 0, sel), r1 = __byte_perm(b1, 0, sel);
+            const uint32_t frag[4] = {mul2<BF16>(decode_lo<BF16>(r0), s_lo[0]),
+                                      mul2<BF16>(decode_lo<BF16>(r1), s_lo[1]),
+                                      mul2<BF16>(decode_hi<BF16>(r0), s_hi[0]),
+                                      mul2<BF16>(decode_hi<BF16>(r1), s_hi[1])};
+            const int pair = 2 * (w - 2 * e) + h;  // x pair under the low nibbles
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+              mma<BF16>(acc[mt], frag, xv[mt][0].v[pair], xv[mt][1].v[pair]);
+          }
+        }
+      }
+      load(st[i], q + kDepth);
+    }
+  }
+
+  // Warps that split K add up in a fixed order (so results are deterministic).
+  if (a.k_warps > 1) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) partial[warp][mt * 4 + j][lane] = acc[mt][j];
+    __syncthreads();
+    if (kslice != 0) return;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float sum = 0.f;
+        for (int k = 0; k < a.k_warps; ++k) sum += partial[warp + k][mt * 4 + j][lane];
+        acc[mt][j] = sum;
+      }
+  }
+
+  const float factor = a.post / *a.global_scale;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      // mma's C fragment: rows g (j < 2) and g + 8, tokens 2t and 2t + 1.
+      const int row = rows[j >> 1], tok = mt * 8 + 2 * t + (j & 1);
+      if (row >= a.n || tok >= a.m) continue;
+      float v = acc[mt][j] * factor;
+      if (a.bias != nullptr && blockIdx.y == 0) v += to_float<BF16>(a.bias[row]);
+      const long long at = blockIdx.y * a.stride_os + tok * a.stride_om + row;
+      if (a.out_f32)
+        static_cast<float*>(a.out)[at] = v;
+      else
+        static_cast<uint16_t*>(a.out)[at] = from_float<BF16>(v);
+    }
+}
+
+template <bool BF16>
+cudaError_t launch_dtype(const Args& a, dim3 grid, cudaStream_t stream) {
+  switch ((a.m + 7) / 8) {
+    case 1: nvfp4_gemv_kernel<BF16, 1><<<grid, kWarps * 32, 0, stream>>>(a); break;
+    case 2: nvfp4_gemv_kernel<BF16, 2><<<grid, kWarps * 32, 0, stream>>>(a); break;
+    case 3: nvfp4_gemv_kernel<BF16, 3><<<grid, kWarps * 32, 0, stream>>>(a); break;
+    case 4: nvfp4_gemv_kernel<BF16, 4><<<grid, kWarps * 32, 0, stream>>>(a); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+template <bool BF16>
+void load_all(cudaFuncAttributes* attr) {
+  cudaFuncGetAttributes(attr, nvfp4_gemv_kernel<BF16, 1>);
+  cudaFuncGetAttributes(attr, nvfp4_gemv_kernel<BF16, 2>);
+  cudaFuncGetAttributes(attr, nvfp4_gemv_kernel<BF16, 3>);
+  cudaFuncGetAttributes(attr, nvfp4_gemv_kernel<BF16, 4>);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Loads every kernel on ``device`` now: a first launch inside a CUDA-graph capture must not
+// be the one that loads the module (this library has its own CUDA runtime).
+int qerl_nvfp4_gemv_init(int device) {
+  cudaError_t e = cudaSetDevice(device);
+  if (e != cudaSuccess) return e;
+  cudaFuncAttributes attr;
+  load_all<true>(&attr);
+  load_all<false>(&attr);
+  return cudaGetLastError();
+}
+
+// Returns a cudaError_t (0: launched). Shapes and strides are checked by the caller.
+int qerl_nvfp4_gemv(int bf16, const void* x, long long stride_xm, const void* pairs,
+                    long long stride_p, const void* scale, long long stride_s,
+                    const void* global_scale, const void* bias, void* out, int out_f32,
+                    long long stride_os, long long stride_om, int m, int n, int k, int splits,
+                    int k_warps, int device, void* stream) {
+  if (m < 1 || m > 32 || k % 16 != 0 || splits < 1 || (k_warps != 1 && k_warps != 2 &&
+                                                       k_warps != 4))
+    return cudaErrorInvalidValue;
+  const int groups = k / 16;
+  const int quads = ((groups + 1) / 2 + 3) / 4;
+  const int strips = (n + 15) / 16;
+  const int strips_per_block = kWarps / k_warps;
+  Args a{static_cast<const uint16_t*>(x), static_cast<const uint8_t*>(pairs),
+         static_cast<const uint8_t*>(scale), static_cast<const float*>(global_scale),
+         static_cast<const uint16_t*>(bias), out, stride_xm, stride_p, stride_s, stride_os,
+         stride_om, m, n, groups, k_warps, (quads + splits - 1) / splits, out_f32,
+         bf16 ? 4611686018427387904.0f : 16384.0f};  // 2^62, 2^14
+  const dim3 grid((strips + strips_per_block - 1) / strips_per_block, splits);
+  const auto s = static_cast<cudaStream_t>(stream);
+  const cudaError_t e = cudaSetDevice(device);  // the tensors' device, as torch's guard would
+  if (e != cudaSuccess) return e;
+  return bf16 ? launch_dtype<true>(a, grid, s) : launch_dtype<false>(a, grid, s);
+}
+
+const char* qerl_cuda_error_string(int error) {
+  return cudaGetErrorString(static_cast<cudaError_t>(error));
+}
+
+}  // extern "C"

@@ -1,0 +1,201 @@
+"""The small-M NVFP4 matmul in CUDA C++ (nvfp4_gemv.cu): builds it once per GPU
+architecture with nvcc, loads it with ctypes and launches it on torch's current stream
+(so it is captured in CUDA graphs like any kernel).
+
+Rollouts decode a handful of tokens at a time: there the matmul reads the 4-bit weight
+once and does little else, so its speed is the speed of the weight read and the decode.
+The Triton kernel (nvfp4_matmul.py) reached 0.84-1.02x of cuBLAS BF16 there; this one
+loads each thread's tensor-core fragments straight into registers (kernels/NOTES.md).
+
+The build lands in ``$QERL_CACHE`` (default ``~/.cache/qerl``)/kernels, named by a hash of
+the source, the architecture and nvcc's version, written atomically; a failed build says
+why; ``python -m qerl.kernels.nvfp4_gemv 90 100`` builds ahead of use (no GPU needed).
+``available()`` is False (with ``unavailable_reason()``) where there is no nvcc or the
+GPU is older than Ampere; the Triton kernel then runs instead, with a warning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from qerl.errors import QuantizationError
+
+SOURCE = Path(__file__).with_name("nvfp4_gemv.cu")
+MAX_M = 32  # four 8-token tiles
+MAX_SPLITS = 16  # as the Triton kernel: a consumer sums the partials unrolled
+BLOCK_ROWS = 64  # 4 warps x 16 rows when each warp has its own rows
+log = logging.getLogger(__name__)
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("QERL_CACHE", Path.home() / ".cache" / "qerl")) / "kernels"
+
+
+def _nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and (Path(home) / "bin" / "nvcc").exists():
+        return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def build(arch: str, out_dir: Path | None = None) -> Path:
+    """Compile the kernels for ``arch`` (e.g. "90") into a shared library; return its
+    path (an existing build of the same source, arch and nvcc is reused)."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        raise QuantizationError("nvcc not found (set CUDA_HOME or put it on PATH): the "
+                                "CUDA NVFP4 kernel is built on first use")
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True,
+                             check=False).stdout
+    digest = hashlib.sha256(SOURCE.read_bytes() + arch.encode() + version.encode())
+    out_dir = out_dir or _cache_dir()
+    lib = out_dir / f"nvfp4_gemv_sm{arch}_{digest.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        target = Path(tmp) / lib.name
+        cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
+               f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(target), str(SOURCE)]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise QuantizationError(f"building {SOURCE.name} failed ({' '.join(cmd)}):\n"
+                                    f"{done.stderr[-3000:]}")
+        os.replace(target, lib)  # atomic: a concurrent build leaves one whole file
+    return lib
+
+
+@functools.cache
+def _library(arch: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build(arch)))
+    f = lib.qerl_nvfp4_gemv
+    c = ctypes
+    f.argtypes = [c.c_int, c.c_void_p, c.c_longlong, c.c_void_p, c.c_longlong, c.c_void_p,
+                  c.c_longlong, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_longlong,
+                  c.c_longlong, c.c_int, c.c_int, c.c_int, c.c_int, c.c_int, c.c_int,
+                  c.c_void_p]
+    f.restype = c.c_int
+    lib.qerl_nvfp4_gemv_init.argtypes = [c.c_int]
+    lib.qerl_nvfp4_gemv_init.restype = c.c_int
+    lib.qerl_cuda_error_string.argtypes = [c.c_int]
+    lib.qerl_cuda_error_string.restype = c.c_char_p
+    return lib
+
+
+@functools.cache
+def _loaded(arch: str, index: int) -> ctypes.CDLL:
+    lib = _library(arch)
+    error = lib.qerl_nvfp4_gemv_init(index)
+    if error:
+        raise QuantizationError(f"loading the CUDA NVFP4 kernel on cuda:{index} failed: "
+                                f"{lib.qerl_cuda_error_string(error).decode()}")
+    return lib
+
+
+def _arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{major}{minor}"
+
+
+@functools.cache
+def _unavailable(arch: str) -> str | None:
+    if int(arch) < 80:
+        return f"the GPU (sm_{arch}) has no bf16 tensor-core mma (needs sm_80 or newer)"
+    try:
+        _library(arch)
+    except (QuantizationError, OSError) as e:
+        return str(e)
+    return None
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why the CUDA kernel cannot run on ``device`` (None: it can); builds it if needed."""
+    if device.type != "cuda":
+        return f"{device} is not a CUDA device"
+    return _unavailable(_arch(device))
+
+
+def _index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def available(device: torch.device) -> bool:
+    reason = unavailable_reason(device)
+    if reason is not None and device.type == "cuda":
+        _warn_once(reason)
+    return reason is None
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    log.warning("CUDA NVFP4 kernel unavailable, using the slower Triton kernel: %s", reason)
+
+
+def launch_shape(m: int, n: int, k: int, num_sms: int) -> tuple[int, int]:
+    """(splits, k_warps): blocks split K (``splits``, fp32 partials) until about 32 warps
+    per SM are launched, counting 4 warps per 16 rows (at ~16 resident warps per SM, two
+    waves or more keep the last one short); within a block, 4 warps split K where that
+    alone fills the GPU, else 2 (on an H100, 7B-32B layers at M = 1-32: qkv, o and down
+    ran 5-25% faster with 2 at the same splits, gate_up 10-20% slower), and never more
+    warps than quads of chunks (128 weights of K) to share."""
+    quads = -(-k // 128)
+    warps = -(-n // 16) * 4
+    splits = max(1, min(-(-32 * num_sms // warps), MAX_SPLITS, -(-quads // 8)))
+    k_warps = 4 if splits == 1 else 2
+    return splits, min(k_warps, 1 << max(0, (quads // splits).bit_length() - 1))
+
+
+def partials(x2: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
+             global_scale: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
+             splits: int | None = None, k_warps: int | None = None) -> torch.Tensor:
+    """x2 [M, K] (M <= 32, CUDA, bf16/fp16, contiguous) -> [S, M, N] partial sums (fp32;
+    with S = 1 the result in x's dtype). Shapes are checked by the caller (nvfp4_matmul)."""
+    m = x2.shape[0]
+    if not 1 <= m <= MAX_M or x2.stride(-1) != 1 or x2.stride(0) != k:
+        raise QuantizationError(f"the CUDA kernel takes 1 to {MAX_M} contiguous rows [M, K], "
+                                f"got {tuple(x2.shape)} with strides {x2.stride()}")
+    if x2.data_ptr() % 16 or pairs.data_ptr() % 16:
+        raise QuantizationError("the CUDA kernel needs x and the packed weight 16-byte "
+                                "aligned (a view that starts mid-vector)")
+    auto = launch_shape(m, n, k, torch.cuda.get_device_properties(x2.device)
+                        .multi_processor_count)
+    splits = splits or auto[0]
+    k_warps = k_warps or auto[1]
+    out = torch.empty((splits, m, n), dtype=torch.float32 if splits > 1 else x2.dtype,
+                      device=x2.device)
+    lib = _loaded(_arch(x2.device), _index(x2.device))
+    stream = torch.cuda.current_stream(x2.device).cuda_stream
+    error = lib.qerl_nvfp4_gemv(
+        int(x2.dtype == torch.bfloat16), x2.data_ptr(), x2.stride(0), pairs.data_ptr(),
+        pairs.stride(0), scale.data_ptr(), scale.stride(0), global_scale.data_ptr(),
+        None if bias is None else bias.data_ptr(), out.data_ptr(), int(splits > 1),
+        out.stride(0), out.stride(1), m, n, k, splits, k_warps, _index(x2.device),
+        stream)
+    if error:
+        raise QuantizationError(f"the CUDA NVFP4 kernel failed to launch: "
+                                f"{lib.qerl_cuda_error_string(error).decode()}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m qerl.kernels.nvfp4_gemv",
+                                     description="Build the CUDA NVFP4 kernel ahead of use.")
+    parser.add_argument("archs", nargs="+", help="compute capabilities, e.g. 90 100")
+    for arch in parser.parse_args(argv).archs:
+        print(build(arch))
+
+
+if __name__ == "__main__":
+    main()

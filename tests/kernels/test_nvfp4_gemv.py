@@ -1,0 +1,137 @@
+"""The CUDA small-M NVFP4 kernel (kernels/nvfp4_gemv.cu): its build on the CPU (nvcc, no
+GPU needed), and on a GPU its results against float64 on odd shapes, for every launch
+shape, deterministic and inside CUDA graphs."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from qerl.errors import QuantizationError
+from qerl.formats import nvfp4
+from qerl.kernels import nvfp4_gemv as gemv
+from qerl.kernels import nvfp4_layout as layout
+from tests.conftest import fresh_seed, missing
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def weight(n: int, k: int, gen: torch.Generator):
+    q = nvfp4.quantize(torch.randn(n, k, generator=gen) * 0.05).to("cuda")
+    return q, (layout.to_pairs(q.packed), q.scale, q.global_scale)
+
+
+@pytest.mark.slow
+def test_builds_once_per_source_and_arch(tmp_path):
+    if gemv._nvcc() is None:
+        missing("nvcc", "not on PATH (the CUDA 12 image and CI have it)")
+    lib = gemv.build("90", tmp_path)
+    assert lib.exists() and lib.suffix == ".so"
+    stamp = lib.stat().st_mtime_ns
+    assert gemv.build("90", tmp_path) == lib and lib.stat().st_mtime_ns == stamp
+
+
+def test_build_without_nvcc_names_the_cause(monkeypatch, tmp_path):
+    monkeypatch.setattr(gemv, "_nvcc", lambda: None)
+    with pytest.raises(QuantizationError, match="nvcc not found"):
+        gemv.build("90", tmp_path)
+
+
+def test_unavailable_off_cuda():
+    assert "not a CUDA device" in gemv.unavailable_reason(torch.device("cpu"))
+
+
+def test_launch_shape_fills_the_gpu_within_the_limits():
+    for m, n, k in [(1, 37888, 3584), (16, 3584, 18944), (8, 48, 64), (32, 24, 16)]:
+        splits, k_warps = gemv.launch_shape(m, n, k, 132)
+        quads = -(-k // 128)
+        assert 1 <= splits <= min(gemv.MAX_SPLITS, quads)
+        assert k_warps in (1, 2, 4) and k_warps <= max(1, quads // splits)
+    assert gemv.launch_shape(1, 37888, 3584, 132) == (1, 4)  # 7B gate_up: fills it alone
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_float64_on_odd_shapes(poisoned, dtype):
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    # K % 32 == 16 (a padded half chunk), N not a multiple of 16, every M tile count.
+    for m, n, k in [(1, 48, 64), (3, 80, 96), (10, 40, 272), (17, 144, 48), (32, 24, 208),
+                    (1, 17, 16), (31, 33, 80), (24, 1000, 3584), (9, 3584, 4736)]:
+        q, w4 = weight(n, k, gen)
+        x = torch.randn(m, k, generator=gen).to(dtype).cuda()
+        bias = torch.randn(n, generator=gen).to(dtype).cuda()
+        parts = gemv.partials(x, *w4, bias, n, k)
+        assert not parts.isnan().any(), f"unwritten output, seed {seed}"
+        ref = x.double() @ nvfp4.dequantize(q, torch.float64).T + bias.double()
+        got = parts.double().sum(0)
+        err = ((got - ref).norm() / ref.norm()).item()
+        # Products are exact; what remains is fp32 accumulation and 16-bit output rounding.
+        assert err < (8e-3 if dtype == torch.bfloat16 else 1.5e-3), (m, n, k, seed)
+
+
+@GPU
+@pytest.mark.gpu
+def test_every_launch_shape_gives_the_same_sum_and_repeats_bit_for_bit(poisoned):
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    n, k = 200, 1040
+    q, w4 = weight(n, k, gen)
+    x = torch.randn(13, k, generator=gen).to(torch.bfloat16).cuda()
+    ref = x.double() @ nvfp4.dequantize(q, torch.float64).T
+    for splits in (1, 3, 16):
+        for k_warps in (1, 2, 4):
+            a = gemv.partials(x, *w4, None, n, k, splits=splits, k_warps=k_warps)
+            b = gemv.partials(x, *w4, None, n, k, splits=splits, k_warps=k_warps)
+            assert a.shape == (splits, 13, n)
+            assert a.dtype == (torch.float32 if splits > 1 else torch.bfloat16)
+            assert torch.equal(a, b), (splits, k_warps, seed)
+            err = ((a.double().sum(0) - ref).norm() / ref.norm()).item()
+            assert err < 8e-3, (splits, k_warps, seed)
+
+
+@GPU
+@pytest.mark.gpu
+def test_replays_in_a_cuda_graph():
+    gen = torch.Generator().manual_seed(fresh_seed())
+    _, w4 = weight(512, 1024, gen)
+    x = torch.randn(4, 1024, generator=gen).to(torch.bfloat16).cuda()
+    eager = gemv.partials(x, *w4, None, 512, 1024)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        captured = gemv.partials(x, *w4, None, 512, 1024)
+    x.copy_(torch.randn(4, 1024, generator=gen).to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, gemv.partials(x, *w4, None, 512, 1024))
+    assert not torch.equal(captured, eager)
+
+
+@GPU
+@pytest.mark.gpu
+def test_refuses_what_it_cannot_run():
+    gen = torch.Generator().manual_seed(fresh_seed())
+    _, w4 = weight(64, 128, gen)
+    with pytest.raises(QuantizationError, match="1 to 32"):
+        gemv.partials(torch.zeros(33, 128, dtype=torch.bfloat16, device="cuda"), *w4, None,
+                      64, 128)
+    rows = torch.zeros(2, 129, dtype=torch.bfloat16, device="cuda")[:, 1:]
+    with pytest.raises(QuantizationError, match="contiguous"):
+        gemv.partials(rows, *w4, None, 64, 128)
+    flat = torch.zeros(2 * 128 + 1, dtype=torch.bfloat16, device="cuda")[1:].view(2, 128)
+    with pytest.raises(QuantizationError, match="aligned"):
+        gemv.partials(flat, *w4, None, 64, 128)
+
+
+def test_nvcc_is_found_on_cuda_home(monkeypatch, tmp_path):
+    (tmp_path / "bin").mkdir()
+    fake = tmp_path / "bin" / "nvcc"
+    fake.write_text("#!/bin/sh\n")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    assert gemv._nvcc() == str(fake)
+    monkeypatch.delenv("CUDA_HOME")
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    assert gemv._nvcc() == shutil.which("nvcc")
