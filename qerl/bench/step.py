@@ -123,8 +123,8 @@ def compare(frame):
 def table(frame) -> str:
     """Markdown: each method's step and phase times against LoRA's (see ``compare``)."""
     frame = compare(frame)
-    columns = ["model", "method", "prompts", "generations", "completion", "grad_ckpt",
-               "status", *[f"{p}_s" for p in PHASES], "step_s", "speed vs lora",
+    columns = ["model", "method", "prompts", "generations", "completion", "micro_batch",
+               "grad_ckpt", "status", *[f"{p}_s" for p in PHASES], "step_s", "speed vs lora",
                "paper speed vs lora", "rollout_tok_per_s", "peak_gb"]
     return frame[[c for c in columns if c in frame]].to_markdown(index=False, floatfmt=".3g")
 
