@@ -78,7 +78,10 @@ def test_nvfp4_lora_equals_dequantized_bf16_lora(tiny_checkpoint, monkeypatch):
 def test_kernel_lora_layer_matches_the_bf16_lora_layer(tiny_checkpoint, shape):
     """The fused-kernel path (GPU, or Triton's interpreter) of one NVFP4 LoRA layer against
     PEFT's BF16 layer over the dequantized weight: equal to bf16 rounding (the kernels do
-    not round the weight to bf16 before multiplying, so they are not bit-identical)."""
+    not round the weight to bf16 before multiplying, so they are not bit-identical). The
+    bound allows both sides' roundings (weights and output, up to 2^-9 each) on as few as 64
+    outputs, where one cancelling sum can dominate: 8.6e-3 was seen once (seed
+    2121502452); a wrong layout or scale gives errors of order 1."""
     seed = fresh_seed()
     qerl = build_policy("qerl", tiny_checkpoint)
     bf16 = build_policy("lora", tiny_checkpoint)
@@ -88,7 +91,7 @@ def test_kernel_lora_layer_matches_the_bf16_lora_layer(tiny_checkpoint, shape):
     for layer in ("self_attn.q_proj", "mlp.up_proj"):
         got = qerl.base_model.model.layers[1].get_submodule(layer)(x)
         ref = bf16.base_model.model.layers[1].get_submodule(layer)(x)
-        assert rel(got.float(), ref.float()) < 8e-3, f"seed {seed}, {layer}"
+        assert rel(got.float(), ref.float()) < 1.6e-2, f"seed {seed}, {layer}"
 
 
 def test_qerl_from_bf16_source_quantizes_as_the_checkpoint_does(tiny_model_dir,
