@@ -33,7 +33,6 @@ from qerl.errors import QuantizationError
 SOURCE = Path(__file__).with_name("nvfp4_gemv.cu")
 MAX_M = 32  # four 8-token tiles
 MAX_SPLITS = 16  # as the Triton kernel: a consumer sums the partials unrolled
-BLOCK_ROWS = 64  # 4 warps x 16 rows when each warp has its own rows
 log = logging.getLogger(__name__)
 
 

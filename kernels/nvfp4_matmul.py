@@ -15,7 +15,8 @@ result equals the float64 reference to fp32 accumulation error. Triton's CPU int
 (TRITON_INTERPRET=1, how CI runs these kernels) has no inline PTX and computes bf16 tl.dot
 wrongly, so there (``ASM`` False) the same loop decodes in fp32 arithmetic.
 
-Paths by M (rows of activations), from an H200 sweep (kernels/NOTES.md): the fused kernels
+Paths by M (rows of activations), from H200 and H100 sweeps (kernels/NOTES.md): on a GPU
+the CUDA kernel (nvfp4_gemv.cu) up to CUDA_MAX_M, where it builds; the fused Triton kernels
 up to FUSED_MAX_M; beyond, ``nvfp4_dequant_kernel`` decodes W once and cuBLAS multiplies,
 which measured faster from M = 64 on (the fused kernels decode each W tile once per M tile).
 Fused launches split the reduction (``SPLIT_K``, fp32 partials [SPLIT_K, M, cols] summed by
@@ -236,10 +237,11 @@ def nvfp4_dequant_kernel(pairs_ptr, scale_ptr, global_scale_ptr, out_ptr, N, K,
 # Largest M run by the fused kernels; module-level so that a benchmark sweep can move it.
 FUSED_MAX_M = 32
 # The fused forward on a GPU: "cuda" (nvfp4_gemv.cu, where it builds) up to CUDA_MAX_M rows,
-# else "triton"; module-level so that a benchmark can time both in one run. Above 24 rows
-# the Triton kernel was as fast or faster on an H100 (7B layers at M = 32: 0.86-1.3x).
+# else "triton"; module-level so that a benchmark can time both in one run. On an H100 the
+# CUDA kernel won every 7B layer up to M = 16 (1.1-1.8x) and lost qkv and down at M = 24
+# (results/bench/kernels_NVIDIA_H100_80GB_HBM3.csv).
 FORWARD_KERNEL = "cuda"
-CUDA_MAX_M = 24
+CUDA_MAX_M = 16
 
 
 def interpreting() -> bool:

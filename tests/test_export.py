@@ -47,9 +47,15 @@ def test_merged_export_loads_in_transformers_with_the_policys_outputs(tiny_model
     assert all(t.dtype == torch.bfloat16 for t in load_file(out / "model.safetensors").values())
     with torch.no_grad():
         got = merged(IDS).logits.float()
-    # The merged weight is rounded to bf16 once; the policy adds LoRA at run time
-    # (typically 1-2% apart on this tiny model; seen 2.0%).
-    assert rel(got, logits(policy)) < 3e-2, f"seed {seed}"
+    # The export stores norms in bf16 (compare with them rounded) and the merged weight is
+    # rounded to bf16 once, where the policy adds LoRA at run time: 0.5-2.4% apart on this
+    # tiny model over 8 seeds (3.2% with the norms unrounded, seen once in CI). A merge that
+    # lost or mis-scaled the adapter lands nearer the base model than the policy.
+    round_norms_to_bf16(policy)
+    err = rel(got, logits(policy))
+    assert err < 5e-2, f"seed {seed}"
+    with policy.model.disable_adapter():
+        assert rel(got, logits(policy)) > 2 * err, f"seed {seed}: the adapter barely counts"
     AutoTokenizer.from_pretrained(out)  # the source's tokenizer came along
 
 
