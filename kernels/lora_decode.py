@@ -16,6 +16,8 @@ For a few rows (the decode step's batch): a shrink program holds all rows of one
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -82,12 +84,11 @@ def lora_shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, out_ptr, M, K, R, per_spli
 
 
 @triton.jit
-def lora_expand_kernel(xa_ptr, b_ptr, base_ptr, out_ptr, M, N, R, col, scaling,
-                       stride_xs, stride_xm, stride_bs, stride_bm, stride_om,
-                       SPLITS: tl.constexpr, BASE_SPLITS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+def _expand_tile(xa_ptr, b_ptr, base_ptr, M, N, R, col, scaling, stride_xs, stride_xm,
+                 stride_bs, stride_bm, rows, n, OUT_DTYPE: tl.constexpr, SPLITS: tl.constexpr,
+                 BASE_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_R: tl.constexpr):
+    """One member's [BLOCK_M, BLOCK_N] output tile, as fp32 holding OUT_DTYPE values."""
     r = tl.arange(0, BLOCK_R)
     row_ok = rows[:, None] < M
     n_ok = n < N
@@ -101,14 +102,65 @@ def lora_expand_kernel(xa_ptr, b_ptr, base_ptr, out_ptr, M, N, R, col, scaling,
                 other=0.0).to(tl.float32)
     delta = round_as(tl.dot(xa, tl.trans(b), input_precision="ieee"), lora_dtype)
     delta = round_as(delta * scaling, lora_dtype)
-    out_dtype = out_ptr.dtype.element_ty
     base = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in tl.static_range(BASE_SPLITS):
         base += tl.load(base_ptr + s * stride_bs + rows[:, None] * stride_bm + n[None, :],
                         mask=row_ok & n_ok[None, :], other=0.0).to(tl.float32)
-    base = round_as(base, out_dtype)
-    tl.store(out_ptr + rows[:, None] * stride_om + n[None, :], (base + delta).to(out_dtype),
-             mask=row_ok & n_ok[None, :])
+    return round_as(round_as(base, OUT_DTYPE) + delta, OUT_DTYPE)
+
+
+@triton.jit
+def lora_expand_kernel(xa_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, base2_ptr,
+                       out_ptr, M, N0, N1, N2, R, col, scaling0, scaling1, scaling2,
+                       stride_xs, stride_xm, stride_bs0, stride_bm0, stride_bs1, stride_bm1,
+                       stride_bs2, stride_bm2, stride_om, GROUP: tl.constexpr,
+                       SILU_MUL: tl.constexpr, SPLITS: tl.constexpr,
+                       BASE_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Up to three members side by side in out's columns (member g after members 0 .. g-1,
+    program_id(0) walking the column blocks of all of them), or with SILU_MUL one output
+    silu(member 0) * member 1, rounded as torch rounds each of the two ops."""
+    j = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows[:, None] < M
+    out_dtype = out_ptr.dtype.element_ty
+    out = out_ptr + rows[:, None] * stride_om
+    blocks0 = tl.cdiv(N0, BLOCK_N)
+    blocks1 = tl.cdiv(N1, BLOCK_N)
+    if SILU_MUL:
+        n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        gate = _expand_tile(xa_ptr, b0_ptr, base0_ptr, M, N0, R, col, scaling0, stride_xs,
+                            stride_xm, stride_bs0, stride_bm0, rows, n, out_dtype, SPLITS,
+                            BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R)
+        up = _expand_tile(xa_ptr, b1_ptr, base1_ptr, M, N1, R, col + R, scaling1, stride_xs,
+                          stride_xm, stride_bs1, stride_bm1, rows, n, out_dtype, SPLITS,
+                          BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R)
+        act = round_as(gate / (1.0 + tl.exp(-gate)), out_dtype)
+        tl.store(out + n[None, :], (act * up).to(out_dtype), mask=row_ok & (n < N0)[None, :])
+    else:
+        # Triton cannot index a list of pointers at run time: one branch per member.
+        if j < blocks0:
+            n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+            y = _expand_tile(xa_ptr, b0_ptr, base0_ptr, M, N0, R, col, scaling0, stride_xs,
+                             stride_xm, stride_bs0, stride_bm0, rows, n, out_dtype, SPLITS,
+                             BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R)
+            tl.store(out + n[None, :], y.to(out_dtype), mask=row_ok & (n < N0)[None, :])
+        if GROUP > 1:  # noqa: SIM102 (constexpr tests: Triton compiles the branches away)
+            if j >= blocks0 and j < blocks0 + blocks1:
+                n = (j - blocks0) * BLOCK_N + tl.arange(0, BLOCK_N)
+                y = _expand_tile(xa_ptr, b1_ptr, base1_ptr, M, N1, R, col + R, scaling1,
+                                 stride_xs, stride_xm, stride_bs1, stride_bm1, rows, n,
+                                 out_dtype, SPLITS, BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R)
+                tl.store(out + N0 + n[None, :], y.to(out_dtype),
+                         mask=row_ok & (n < N1)[None, :])
+        if GROUP > 2:  # noqa: SIM102
+            if j >= blocks0 + blocks1:
+                n = (j - blocks0 - blocks1) * BLOCK_N + tl.arange(0, BLOCK_N)
+                y = _expand_tile(xa_ptr, b2_ptr, base2_ptr, M, N2, R, col + 2 * R, scaling2,
+                                 stride_xs, stride_xm, stride_bs2, stride_bm2, rows, n,
+                                 out_dtype, SPLITS, BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R)
+                tl.store(out + N0 + N1 + n[None, :], y.to(out_dtype),
+                         mask=row_ok & (n < N2)[None, :])
 
 
 def _rank_block(rank: int) -> int:
@@ -161,26 +213,56 @@ def lora_expand(xa: torch.Tensor, member: int, b_weight: torch.Tensor, scaling: 
                 base: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """base [splits', M, N] (a base projection's partial sums, or [1, M, N] in its own
     dtype) + (xa's member ``member``) @ B^T * scaling -> [M, N] in ``out_dtype``."""
+    return lora_expand_group(xa, [b_weight], [scaling], [base], out_dtype, first=member)[0]
+
+
+def lora_expand_group(xa: torch.Tensor, b_weights: list[torch.Tensor], scalings: list[float],
+                      bases: list[torch.Tensor], out_dtype: torch.dtype, first: int = 0,
+                      silu_mul: bool = False) -> list[torch.Tensor]:
+    """``lora_expand`` of xa's members first, first + 1, .. (up to three, one rank) in one
+    launch: their outputs as column views of one [M, sum of N] buffer; with ``silu_mul``
+    (two members, gate and up) the single output silu(gate) * up instead. Every base has
+    the same number of partial sums."""
     splits, m, _ = xa.shape
-    n, rank = b_weight.shape
-    if base.dim() != 3 or base.shape[1:] != (m, n) or base.stride(-1) != 1:
-        raise ValueError(f"base must be [splits, {m}, {n}] with contiguous rows, got "
-                         f"{tuple(base.shape)}")
-    if max(splits, base.shape[0]) > MAX_SPLITS:
+    rank = b_weights[0].shape[1]
+    widths = [b.shape[0] for b in b_weights]
+    if not 1 <= len(b_weights) <= 3 or len(scalings) != len(b_weights) or len(bases) != len(
+            b_weights):
+        raise ValueError(f"a group has 1 to 3 members with one B, scaling and base each, got "
+                         f"{len(b_weights)}, {len(scalings)}, {len(bases)}")
+    if silu_mul and (len(b_weights) != 2 or widths[0] != widths[1]):
+        raise ValueError(f"silu_mul takes two members of one width (gate, up), got {widths}")
+    for base, n in zip(bases, widths, strict=True):
+        if base.dim() != 3 or base.shape[1:] != (m, n) or base.stride(-1) != 1:
+            raise ValueError(f"base must be [splits, {m}, {n}] with contiguous rows, got "
+                             f"{tuple(base.shape)}")
+    if len({base.shape[0] for base in bases}) != 1:
+        raise ValueError("every base of a group must have the same number of partial sums")
+    if max(splits, bases[0].shape[0]) > MAX_SPLITS:
         raise ValueError(f"at most {MAX_SPLITS} partial sums, got {splits} and "
-                         f"{base.shape[0]}")
-    if b_weight.stride() != (rank, 1):
-        raise ValueError("B must be contiguous")
-    out = torch.empty((m, n), dtype=out_dtype, device=xa.device)
+                         f"{bases[0].shape[0]}")
+    if any(b.shape[1] != rank or b.stride() != (rank, 1) for b in b_weights):
+        raise ValueError("every B must be contiguous, of one rank")
+    width = widths[0] if silu_mul else sum(widths)
+    out = torch.empty((m, width), dtype=out_dtype, device=xa.device)
     block_m = 16 if m <= 16 else 32
     block_n = 64 if rank <= 32 else 32
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-    lora_expand_kernel[grid](
-        xa, b_weight, base, out, m, n, rank, member * rank, scaling,
-        xa.stride(0), xa.stride(1), base.stride(0), base.stride(1), out.stride(0),
-        SPLITS=splits, BASE_SPLITS=base.shape[0], BLOCK_M=block_m, BLOCK_N=block_n,
+    blocks = triton.cdiv(widths[0], block_n) if silu_mul else sum(
+        triton.cdiv(n, block_n) for n in widths)
+    pad = 3 - len(b_weights)
+    b_all = b_weights + [b_weights[0]] * pad
+    base_all = bases + [bases[0]] * pad
+    lora_expand_kernel[(blocks, triton.cdiv(m, block_m))](
+        xa, *b_all, *base_all, out, m, *(widths + [0] * pad), rank, first * rank,
+        *(list(scalings) + [0.0] * pad), xa.stride(0), xa.stride(1),
+        *[stride for base in base_all for stride in base.stride()[:2]], out.stride(0),
+        GROUP=len(b_weights), SILU_MUL=silu_mul, SPLITS=splits,
+        BASE_SPLITS=bases[0].shape[0], BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_R=_rank_block(rank), num_warps=4)
-    return out
+    if silu_mul:
+        return [out]
+    starts = [0, *itertools.accumulate(widths)]
+    return [out[:, a:b] for a, b in itertools.pairwise(starts)]
 
 
 def reference_lora(x, base, a_weight, b_weight, scaling):

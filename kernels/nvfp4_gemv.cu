@@ -1,5 +1,6 @@
 // Small-M NVFP4 matmul on tensor cores: out[S][M][N] = split-K partial sums of
-// x[M, K] @ deq(W[N, K])^T, for M <= 32 (rollout decode steps). Built and loaded by
+// x[M, K] @ deq(W[N, K])^T, for M <= 32 (rollout decode steps), for up to three weights
+// that read the same x side by side in N. Built and loaded by
 // nvfp4_gemv.py; the layout and the decode are the Triton kernels' (nvfp4_layout.py,
 // nvfp4_matmul.py), so both read the same packed weight.
 //
@@ -140,15 +141,27 @@ __device__ __forceinline__ uint16_t from_float(float v) {
   return r;
 }
 
-struct Args {
-  const uint16_t* x;
+// One weight of a launch. A launch runs up to kMaxMembers weights that share x (q/k/v,
+// gate/up): one launch instead of three, and the small ones (k, v) ride along with the big
+// one instead of each paying a launch and a tail. Member g owns blocks first_block ..
+// (next member's first_block - 1) and writes output columns col .. col + n - 1.
+struct Member {
   const uint8_t* pairs;
   const uint8_t* scale;
   const float* global_scale;
   const uint16_t* bias;  // or null
-  void* out;             // [splits][M][N]: fp32 if out_f32, else x's dtype
-  long long stride_xm, stride_p, stride_s, stride_os, stride_om;
-  int m, n, groups;
+  long long stride_p, stride_s;
+  int n, col, first_block;
+};
+
+constexpr int kMaxMembers = 3;
+
+struct Args {
+  const uint16_t* x;
+  Member member[kMaxMembers];
+  void* out;  // [splits][M][sum of n]: fp32 if out_f32, else x's dtype
+  long long stride_xm, stride_os, stride_om;
+  int members, m, groups;
   int k_warps;          // warps of a block that split its K range (1, 2 or 4)
   int quads_per_split;  // quads of chunks (4 x 32 weights of K) per blockIdx.y
   int out_f32;
@@ -167,12 +180,16 @@ constexpr int min_blocks() {
 // MT: 8-token tiles (M <= 8 * MT).
 template <bool BF16, int MT>
 __global__ void __launch_bounds__(kWarps * 32, min_blocks<MT>())
-    nvfp4_gemv_kernel(const Args a) {
+    nvfp4_gemv_kernel(const __grid_constant__ Args a) {
   __shared__ float partial[kWarps][MT * 4][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int strips_per_block = kWarps / a.k_warps;
-  const int strip = blockIdx.x * strips_per_block + warp / a.k_warps;
+  // This block's member. Args is a __grid_constant__: indexing it at run time reads the
+  // parameter bank (a plain parameter would be copied to local memory first).
+  const Member& mb = a.member[(a.members > 1 && blockIdx.x >= a.member[1].first_block) +
+                              (a.members > 2 && blockIdx.x >= a.member[2].first_block)];
+  const int strip = (blockIdx.x - mb.first_block) * strips_per_block + warp / a.k_warps;
   const int kslice = warp % a.k_warps;
   const int rows[2] = {strip * 16 + g, strip * 16 + g + 8};
   const int chunks = (a.groups + 1) / 2;
@@ -190,9 +207,9 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<MT>())
     const bool hi_ok = chunk_ok && 2 * p + 1 < a.groups;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      if (chunk_ok && rows[r] < a.n) {
-        st.w[r] = load_stream(a.pairs + rows[r] * a.stride_p + 16 * p);
-        const uint8_t* s = a.scale + rows[r] * a.stride_s + 2 * p;
+      if (chunk_ok && rows[r] < mb.n) {
+        st.w[r] = load_stream(mb.pairs + rows[r] * mb.stride_p + 16 * p);
+        const uint8_t* s = mb.scale + rows[r] * mb.stride_s + 2 * p;
         st.s[r] = __ldg(s) | (hi_ok ? static_cast<uint32_t>(__ldg(s + 1)) << 8 : 0u);
       } else {
         st.w[r] = Vec4{{0, 0, 0, 0}};
@@ -276,17 +293,17 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<MT>())
       }
   }
 
-  const float factor = a.post / *a.global_scale;
+  const float factor = a.post / *mb.global_scale;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       // mma's C fragment: rows g (j < 2) and g + 8, tokens 2t and 2t + 1.
       const int row = rows[j >> 1], tok = mt * 8 + 2 * t + (j & 1);
-      if (row >= a.n || tok >= a.m) continue;
+      if (row >= mb.n || tok >= a.m) continue;
       float v = acc[mt][j] * factor;
-      if (a.bias != nullptr && blockIdx.y == 0) v += to_float<BF16>(a.bias[row]);
-      const long long at = blockIdx.y * a.stride_os + tok * a.stride_om + row;
+      if (mb.bias != nullptr && blockIdx.y == 0) v += to_float<BF16>(mb.bias[row]);
+      const long long at = blockIdx.y * a.stride_os + tok * a.stride_om + mb.col + row;
       if (a.out_f32)
         static_cast<float*>(a.out)[at] = v;
       else
@@ -330,24 +347,43 @@ int qerl_nvfp4_gemv_init(int device) {
 }
 
 // Returns a cudaError_t (0: launched). Shapes and strides are checked by the caller.
-int qerl_nvfp4_gemv(int bf16, const void* x, long long stride_xm, const void* pairs,
-                    long long stride_p, const void* scale, long long stride_s,
-                    const void* global_scale, const void* bias, void* out, int out_f32,
-                    long long stride_os, long long stride_om, int m, int n, int k, int splits,
-                    int k_warps, int device, void* stream) {
-  if (m < 1 || m > 32 || k % 16 != 0 || splits < 1 || (k_warps != 1 && k_warps != 2 &&
-                                                       k_warps != 4))
+// Member g's fields are element g of the arrays (``members`` of them, all of K columns).
+int qerl_nvfp4_gemv(int bf16, const void* x, long long stride_xm, int members,
+                    const void* const* pairs, const long long* stride_p,
+                    const void* const* scale, const long long* stride_s,
+                    const void* const* global_scale, const void* const* bias, const int* n,
+                    void* out, int out_f32, long long stride_os, long long stride_om, int m,
+                    int k, int splits, int k_warps, int device, void* stream) {
+  if (m < 1 || m > 32 || k % 16 != 0 || splits < 1 || members < 1 ||
+      members > kMaxMembers || (k_warps != 1 && k_warps != 2 && k_warps != 4))
     return cudaErrorInvalidValue;
   const int groups = k / 16;
   const int quads = ((groups + 1) / 2 + 3) / 4;
-  const int strips = (n + 15) / 16;
   const int strips_per_block = kWarps / k_warps;
-  Args a{static_cast<const uint16_t*>(x), static_cast<const uint8_t*>(pairs),
-         static_cast<const uint8_t*>(scale), static_cast<const float*>(global_scale),
-         static_cast<const uint16_t*>(bias), out, stride_xm, stride_p, stride_s, stride_os,
-         stride_om, m, n, groups, k_warps, (quads + splits - 1) / splits, out_f32,
-         bf16 ? 4611686018427387904.0f : 16384.0f};  // 2^62, 2^14
-  const dim3 grid((strips + strips_per_block - 1) / strips_per_block, splits);
+  Args a{};
+  a.x = static_cast<const uint16_t*>(x);
+  int blocks = 0, col = 0;
+  for (int g = 0; g < members; ++g) {
+    a.member[g] = Member{static_cast<const uint8_t*>(pairs[g]),
+                         static_cast<const uint8_t*>(scale[g]),
+                         static_cast<const float*>(global_scale[g]),
+                         static_cast<const uint16_t*>(bias[g]), stride_p[g], stride_s[g],
+                         n[g], col, blocks};
+    blocks += ((n[g] + 15) / 16 + strips_per_block - 1) / strips_per_block;
+    col += n[g];
+  }
+  a.out = out;
+  a.stride_xm = stride_xm;
+  a.stride_os = stride_os;
+  a.stride_om = stride_om;
+  a.members = members;
+  a.m = m;
+  a.groups = groups;
+  a.k_warps = k_warps;
+  a.quads_per_split = (quads + splits - 1) / splits;
+  a.out_f32 = out_f32;
+  a.post = bf16 ? 4611686018427387904.0f : 16384.0f;  // 2^62, 2^14
+  const dim3 grid(blocks, splits);
   const auto s = static_cast<cudaStream_t>(stream);
   const cudaError_t e = cudaSetDevice(device);  // the tensors' device, as torch's guard would
   if (e != cudaSuccess) return e;

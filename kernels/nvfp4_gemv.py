@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -79,10 +80,10 @@ def _library(arch: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build(arch)))
     f = lib.qerl_nvfp4_gemv
     c = ctypes
-    f.argtypes = [c.c_int, c.c_void_p, c.c_longlong, c.c_void_p, c.c_longlong, c.c_void_p,
-                  c.c_longlong, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_longlong,
-                  c.c_longlong, c.c_int, c.c_int, c.c_int, c.c_int, c.c_int, c.c_int,
-                  c.c_void_p]
+    ptrs, longs = c.POINTER(c.c_void_p), c.POINTER(c.c_longlong)
+    f.argtypes = [c.c_int, c.c_void_p, c.c_longlong, c.c_int, ptrs, longs, ptrs, longs, ptrs,
+                  ptrs, c.POINTER(c.c_int), c.c_void_p, c.c_int, c.c_longlong, c.c_longlong,
+                  c.c_int, c.c_int, c.c_int, c.c_int, c.c_int, c.c_void_p]
     f.restype = c.c_int
     lib.qerl_nvfp4_gemv_init.argtypes = [c.c_int]
     lib.qerl_nvfp4_gemv_init.restype = c.c_int
@@ -154,32 +155,66 @@ def launch_shape(m: int, n: int, k: int, num_sms: int) -> tuple[int, int]:
     return splits, min(k_warps, 1 << max(0, (quads // splits).bit_length() - 1))
 
 
+@dataclass(frozen=True)
+class Weight:
+    """One packed NVFP4 weight [n, K] of a launch (nvfp4_layout's pair layout)."""
+
+    pairs: torch.Tensor
+    scale: torch.Tensor
+    global_scale: torch.Tensor
+    bias: torch.Tensor | None
+    n: int
+
+
+MAX_MEMBERS = 3  # weights one launch runs side by side (q/k/v)
+
+
 def partials(x2: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
              global_scale: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
              splits: int | None = None, k_warps: int | None = None) -> torch.Tensor:
     """x2 [M, K] (M <= 32, CUDA, bf16/fp16, contiguous) -> [S, M, N] partial sums (fp32;
     with S = 1 the result in x's dtype). Shapes are checked by the caller (nvfp4_matmul)."""
+    return grouped_partials(x2, [Weight(pairs, scale, global_scale, bias, n)], k, splits,
+                            k_warps)
+
+
+def grouped_partials(x2: torch.Tensor, weights: list[Weight], k: int,
+                     splits: int | None = None, k_warps: int | None = None) -> torch.Tensor:
+    """``partials`` of up to three weights that read the same x, in one launch: [S, M,
+    sum of n], weight g in the columns after those of weights 0 .. g - 1."""
     m = x2.shape[0]
     if not 1 <= m <= MAX_M or x2.stride(-1) != 1 or x2.stride(0) != k:
         raise QuantizationError(f"the CUDA kernel takes 1 to {MAX_M} contiguous rows [M, K], "
                                 f"got {tuple(x2.shape)} with strides {x2.stride()}")
-    if x2.data_ptr() % 16 or pairs.data_ptr() % 16:
+    if not 1 <= len(weights) <= MAX_MEMBERS:
+        raise QuantizationError(f"one launch runs 1 to {MAX_MEMBERS} weights, got "
+                                f"{len(weights)}")
+    if x2.data_ptr() % 16 or any(w.pairs.data_ptr() % 16 for w in weights):
         raise QuantizationError("the CUDA kernel needs x and the packed weight 16-byte "
                                 "aligned (a view that starts mid-vector)")
-    auto = launch_shape(m, n, k, torch.cuda.get_device_properties(x2.device)
+    width = sum(w.n for w in weights)
+    auto = launch_shape(m, width, k, torch.cuda.get_device_properties(x2.device)
                         .multi_processor_count)
     splits = splits or auto[0]
     k_warps = k_warps or auto[1]
-    out = torch.empty((splits, m, n), dtype=torch.float32 if splits > 1 else x2.dtype,
+    out = torch.empty((splits, m, width), dtype=torch.float32 if splits > 1 else x2.dtype,
                       device=x2.device)
     lib = _loaded(_arch(x2.device), _index(x2.device))
     stream = torch.cuda.current_stream(x2.device).cuda_stream
+    c, count = ctypes, len(weights)
+
+    def ptrs(tensors):
+        return (c.c_void_p * count)(*[None if t is None else t.data_ptr() for t in tensors])
+
     error = lib.qerl_nvfp4_gemv(
-        int(x2.dtype == torch.bfloat16), x2.data_ptr(), x2.stride(0), pairs.data_ptr(),
-        pairs.stride(0), scale.data_ptr(), scale.stride(0), global_scale.data_ptr(),
-        None if bias is None else bias.data_ptr(), out.data_ptr(), int(splits > 1),
-        out.stride(0), out.stride(1), m, n, k, splits, k_warps, _index(x2.device),
-        stream)
+        int(x2.dtype == torch.bfloat16), x2.data_ptr(), x2.stride(0), count,
+        ptrs([w.pairs for w in weights]),
+        (c.c_longlong * count)(*[w.pairs.stride(0) for w in weights]),
+        ptrs([w.scale for w in weights]),
+        (c.c_longlong * count)(*[w.scale.stride(0) for w in weights]),
+        ptrs([w.global_scale for w in weights]), ptrs([w.bias for w in weights]),
+        (c.c_int * count)(*[w.n for w in weights]), out.data_ptr(), int(splits > 1),
+        out.stride(0), out.stride(1), m, k, splits, k_warps, _index(x2.device), stream)
     if error:
         raise QuantizationError(f"the CUDA NVFP4 kernel failed to launch: "
                                 f"{lib.qerl_cuda_error_string(error).decode()}")

@@ -25,6 +25,7 @@ the wrapper) until the grid fills the GPU (``launch_config``).
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -384,11 +385,25 @@ def nvfp4_linear_partials(x2: torch.Tensor, pairs: torch.Tensor, scale: torch.Te
     [S, M, N] (fp32; with S = 1, the result itself in x's dtype), for a consumer that adds
     them up anyway and so saves the reduction's launch. Summed over S and rounded to x's
     dtype they are ``nvfp4_linear``'s result."""
-    n, k = _check(x2, pairs, scale, global_scale, "x")
+    return nvfp4_linear_grouped_partials(x2, [(pairs, scale, global_scale, bias)])[0]
+
+
+def nvfp4_linear_grouped_partials(x2: torch.Tensor, weights: list[tuple]) -> list[torch.Tensor]:
+    """``nvfp4_linear_partials`` of several weights (pairs, scale, global_scale, bias) that
+    read the same x2: in one launch where the CUDA kernel runs (up to three weights, the
+    results column views of one buffer), else one launch each."""
+    shapes = [_check(x2, *w[:3], "x") for w in weights]
     if x2.dim() != 2 or not 1 <= x2.shape[0] <= FUSED_MAX_M or x2.stride(-1) != 1:
         raise QuantizationError(f"partial sums take 1 to {FUSED_MAX_M} contiguous rows "
                                 f"[M, K], got {tuple(x2.shape)}")
-    return _fused("fwd", x2, n, k, pairs, scale, global_scale, bias)
+    k = x2.shape[1]
+    if (FORWARD_KERNEL == "cuda" and x2.shape[0] <= CUDA_MAX_M and x2.is_cuda
+            and len(weights) <= gemv.MAX_MEMBERS and gemv.available(x2.device)):
+        members = [gemv.Weight(*w, n) for w, (n, _) in zip(weights, shapes, strict=True)]
+        out = gemv.grouped_partials(x2, members, k)
+        starts = [0, *itertools.accumulate(n for n, _ in shapes)]
+        return [out[..., a:b] for a, b in itertools.pairwise(starts)]
+    return [_fused("fwd", x2, n, k, *w) for w, (n, _) in zip(weights, shapes, strict=True)]
 
 
 def nvfp4_linear_grad_input(dy: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,

@@ -24,12 +24,13 @@ from qerl.policy import LoraSettings, build_policy
 from qerl.rollout import Engine, SamplingParams
 
 
-def _replay_ms(engine: Engine, ids: torch.Tensor, slot: torch.Tensor, repeats: int = 20):
-    engine._decode(ids, slot)  # captures the graph
+def _replay_ms(engine: Engine, ids: torch.Tensor, slot: int, repeats: int = 20):
+    at = torch.tensor(slot, device="cuda")
+    engine._decode(ids, slot, at)  # captures the graph
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(repeats):
-        engine._decode(ids, slot)
+        engine._decode(ids, slot, at)
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / repeats * 1e3
 
@@ -37,12 +38,13 @@ def _replay_ms(engine: Engine, ids: torch.Tensor, slot: torch.Tensor, repeats: i
 def _kernels(engine: Engine, ids, slot, batch: int) -> tuple[int, str]:
     from torch.profiler import ProfilerActivity, profile
 
-    cache = engine._view(batch)
+    cache = engine._view(batch, engine._span(slot))
+    at = torch.tensor(slot, device="cuda")
     with torch.no_grad():
-        engine.decoder(ids, slot, cache)
+        engine.decoder(ids, at, cache)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            engine.decoder(ids, slot, cache)
+            engine.decoder(ids, at, cache)
             torch.cuda.synchronize()
     # Device-side events only (the API calls carry no device time).
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
@@ -62,10 +64,9 @@ def measure(arch: str, weights: str, rank: int, batches: list[int], slot: int) -
             prompts = torch.randint(0, 1000, (batch, slot)).tolist()
             engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
             ids = torch.zeros((batch, 1), dtype=torch.long, device="cuda")
-            at = torch.tensor(slot, device="cuda")
             with engine._eval():
-                step_ms = _replay_ms(engine, ids, at)
-                kernels, top = _kernels(engine, ids, at, batch)
+                step_ms = _replay_ms(engine, ids, slot)
+                kernels, top = _kernels(engine, ids, slot, batch)
             rows.append({"model": arch, "weights": weights, "lora_rank": rank,
                          "fused": int(fused), "batch": batch, "context": slot,
                          "step_ms": round(step_ms, 3), "kernels": kernels, "top_kernels": top})

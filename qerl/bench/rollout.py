@@ -8,9 +8,11 @@ shapes with random weights.
         --batches 1 --prompt-lens 256     # the paper's throughput-by-rank figure
 
 Every sequence runs to gen_len (EOS ignored), sampling at temperature 1; tokens/s counts
-generated tokens over the whole call (prefill included), after one warm-up call that also
-captures the decode step's CUDA graph. Hugging Face generate runs the bare BF16 model with
-its default (dynamic) cache, at --hf-gen-len tokens, batch sizes up to --hf-max-batch.
+generated tokens over the whole call (prefill included), after one warm-up call of the
+same length that captures the decode step's CUDA graphs (one per 256 slots of context, as
+a training run has them after its first rollout). Hugging Face generate runs the bare BF16
+model with its default (dynamic) cache, at --hf-gen-len tokens, batch sizes up to
+--hf-max-batch.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def bench_engine(policy, batches, prompt_lens, gen_len, fused: bool) -> list[dic
         for batch in batches:
             prompts = _prompts(batch, prompt_len, vocab, seed=batch)
             params = SamplingParams(max_new_tokens=gen_len, ignore_eos=True, seed=0)
-            engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
+            engine.generate(prompts, params)  # captures the step's graphs, one per bucket
             seconds = _timed(lambda p=prompts, s=params: engine.generate(p, s))
             rows.append(_row("", batch, prompt_len, gen_len, seconds))
     return rows

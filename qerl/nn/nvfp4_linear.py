@@ -89,13 +89,19 @@ class NVFP4Linear(nn.Module):
         """Inference on rows x2 [M, K]: [S, M, N] whose sum over S, rounded to x's dtype,
         is ``forward(x2)`` — the fused kernel's split-K partials where it runs (a consumer
         that reduces anyway saves a launch), else the result itself as [1, M, N]."""
-        bias = None if self.bias is None else self.bias.to(x2.dtype)
-        if _use_kernels(x2) and x2.shape[0] <= kernels.FUSED_MAX_M:
-            return kernels.nvfp4_linear_partials(x2.contiguous(), self.weight_pairs,
-                                                 self.weight_scale, self.weight_global_scale,
-                                                 bias)
-        return self(x2)[None]
+        return grouped_partial_sums([self], x2)[0]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, format=nvfp4")
+
+
+def grouped_partial_sums(layers: list[NVFP4Linear], x2: torch.Tensor) -> list[torch.Tensor]:
+    """``partial_sums`` of layers that read the same rows (q/k/v, gate/up): one kernel
+    launch for all of them where the CUDA kernel runs."""
+    if _use_kernels(x2) and x2.shape[0] <= kernels.FUSED_MAX_M:
+        weights = [(layer.weight_pairs, layer.weight_scale, layer.weight_global_scale,
+                    None if layer.bias is None else layer.bias.to(x2.dtype))
+                   for layer in layers]
+        return kernels.nvfp4_linear_grouped_partials(x2.contiguous(), weights)
+    return [layer(x2)[None] for layer in layers]

@@ -122,14 +122,19 @@ class Decoder(nn.Module):
             h = h + delta
         return norm(h), h
 
-    def _project(self, modules, x):
+    def _project(self, modules, x, silu_mul: bool = False):
         rows = x.reshape(-1, x.shape[-1])
-        outs = project(modules, rows) if self.fused else [m(rows) for m in modules]
+        outs = project(modules, rows, silu_mul) if self.fused else [m(rows) for m in modules]
         return [out.view(*x.shape[:-1], -1) for out in outs]
 
     def _mlp(self, mlp, x):
-        gate, up = self._project([mlp.gate_proj, mlp.up_proj], x)
-        return self._project([mlp.down_proj], mlp.act_fn(gate) * up)[0]
+        # SiLUActivation: transformers' own class (5.x), not a subclass of nn.SiLU.
+        if self.fused and type(mlp.act_fn).__name__ in ("SiLU", "SiLUActivation"):
+            act = self._project([mlp.gate_proj, mlp.up_proj], x, silu_mul=True)[0]
+        else:
+            gate, up = self._project([mlp.gate_proj, mlp.up_proj], x)
+            act = mlp.act_fn(gate) * up
+        return self._project([mlp.down_proj], act)[0]
 
     def _attention(self, attn, x, i, slots, visible, cos, sin, cache):
         batch, steps, _ = x.shape

@@ -25,6 +25,14 @@ from qerl.rollout.decoder import Decoder, KVCache
 from qerl.rollout.sampling import SamplingParams, sample
 
 MODEL_TYPES = ("qwen2", "llama")
+# A step attends over the cache's slots up to its own, rounded up to a multiple of this: one
+# CUDA graph per batch size and bucket, instead of reading the whole cache at every step
+# (at 2048 new tokens, twice the keys and values that the live slots hold on average).
+SLOT_BUCKET = 256
+# Steps between checks whether every sequence has stopped: a check waits for the GPU, and
+# between checks the host queues steps ahead of it (its launch time hidden) at the price
+# of up to this many - 1 wasted steps once all have stopped.
+STOP_CHECK_EVERY = 8
 
 
 class RolloutError(QerlError):
@@ -82,7 +90,7 @@ class Engine:
                                else fused)
         self.cache = KVCache.allocate(config, max_batch, max_seq_len, self.dtype, self.device)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        self._graphs: dict[int, tuple] = {}
+        self._graphs: dict[tuple[int, int], tuple] = {}
 
     @classmethod
     def for_budget(cls, model, kv_budget_bytes: int, max_seq_len: int, **kwargs) -> Engine:
@@ -122,8 +130,15 @@ class Engine:
             if min(prompt) < 0 or max(prompt) >= vocab:
                 raise RolloutError(f"prompt {i} has token ids outside [0, {vocab})")
 
-    def _view(self, batch: int) -> KVCache:
-        return KVCache(self.cache.k[:, :batch], self.cache.v[:, :batch], self.cache.pad[:batch])
+    def _view(self, batch: int, slots: int | None = None) -> KVCache:
+        """The cache of the first ``batch`` sequences, its first ``slots`` slots (all)."""
+        slots = slots or self.max_seq_len
+        return KVCache(self.cache.k[:, :batch, :, :slots], self.cache.v[:, :batch, :, :slots],
+                       self.cache.pad[:batch])
+
+    def _span(self, last_slot: int) -> int:
+        """The slots a step that writes up to ``last_slot`` attends over."""
+        return min(self.max_seq_len, -(-(last_slot + 1) // SLOT_BUCKET) * SLOT_BUCKET)
 
     @contextmanager
     def _eval(self):
@@ -135,30 +150,31 @@ class Engine:
         finally:
             self.model.train(was_training)
 
-    def _decode(self, ids: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-        """One decode step (ids [B, 1] at cache slot ``slot``) -> logits [B, V]: eager, or
-        a CUDA graph replay, captured on the first step of each batch size. Warm-up and
-        capture run on this step's own inputs, so the slot they write holds the right
-        keys and values whatever happens next."""
-        batch = ids.shape[0]
-        cache = self._view(batch)
+    def _decode(self, ids: torch.Tensor, slot: int, at: torch.Tensor) -> torch.Tensor:
+        """One decode step (ids [B, 1] at cache slot ``slot``, also given on the device as
+        ``at``, so that no step waits for a host-to-device copy) -> logits [B, V]: eager, or
+        a CUDA graph replay, captured on the first step of each batch size and slot bucket.
+        Warm-up and capture run on this step's own inputs, so the slot they write holds
+        the right keys and values whatever happens next."""
+        batch, span = ids.shape[0], self._span(slot)
+        cache = self._view(batch, span)
         if not self.cuda_graphs:
-            return self.decoder(ids, slot, cache)
-        if batch not in self._graphs:
-            ids, slot = ids.clone(), slot.clone()
+            return self.decoder(ids, at, cache)
+        if (batch, span) not in self._graphs:
+            ids, at = ids.clone(), at.clone()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm up: autotuning, workspaces
                 for _ in range(2):
-                    self.decoder(ids, slot, cache)
+                    self.decoder(ids, at, cache)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                logits = self.decoder(ids, slot, cache)
-            self._graphs[batch] = (graph, ids, slot, logits)
-        graph, ids_buf, slot_buf, logits = self._graphs[batch]
+                logits = self.decoder(ids, at, cache)
+            self._graphs[batch, span] = (graph, ids, at, logits)
+        graph, ids_buf, slot_buf, logits = self._graphs[batch, span]
         ids_buf.copy_(ids)
-        slot_buf.copy_(slot)
+        slot_buf.copy_(at)
         graph.replay()
         return logits
 
@@ -175,13 +191,14 @@ class Engine:
         stops = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long,
                              device=self.device)
         with self._eval():
-            cache = self._view(batch)
+            cache = self._view(batch, self._span(longest - 1))
             cache.pad.copy_(pad)
             logits = self.decoder(ids.to(self.device), torch.zeros((), dtype=torch.long,
                                                                    device=self.device), cache)
             tokens, logprobs = [], []
             done = torch.zeros(batch, dtype=torch.bool, device=self.device)
             length = torch.full((batch,), params.max_new_tokens, device=self.device)
+            slots = torch.arange(longest, longest + params.max_new_tokens, device=self.device)
             for t in range(params.max_new_tokens):
                 token, logprob = sample(logits, params, generator)
                 tokens.append(token)
@@ -190,11 +207,10 @@ class Engine:
                     stopped = torch.isin(token, stops) & ~done
                     length = torch.where(stopped, t + 1, length)
                     done |= stopped
-                    if bool(done.all()):
+                    if (t + 1) % STOP_CHECK_EVERY == 0 and bool(done.all()):
                         break
                 if t + 1 < params.max_new_tokens:
-                    slot = torch.tensor(longest + t, device=self.device)
-                    logits = self._decode(token[:, None], slot)
+                    logits = self._decode(token[:, None], longest + t, slots[t])
         out_tokens = torch.stack(tokens, 1).tolist()
         out_logprobs = torch.stack(logprobs, 1).tolist()
         lengths = length.tolist()

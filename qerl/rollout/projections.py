@@ -1,9 +1,11 @@
 """A decode step's projections with unmerged LoRA in few launches.
 
-Projections that read the same input (q/k/v, gate/up) share one LoRA shrink; each then
-gets its base projection and one expand that adds the adapter and, on an NVFP4 base, sums
-the kernel's split-K partials (kernels/lora_decode.py). The weights are read from the
-modules at every call, so the fused path sees the live adapter like PEFT's forward does.
+Projections that read the same input (q/k/v, gate/up) share one LoRA shrink, one launch
+of their NVFP4 base projections (where the CUDA kernel runs) and one expand that adds the
+adapters, sums the kernel's split-K partials and, for gate/up, applies SiLU and the
+product (kernels/lora_decode.py): three launches per group, from up to ten. The weights
+are read from the modules at every call, so the fused path sees the live adapter like
+PEFT's forward does.
 
 Anything else — a LoRA variant (DoRA), several or disabled adapters, a merged layer,
 ranks that differ inside a group, more rows than the kernels hold — runs the modules' own
@@ -17,10 +19,11 @@ from dataclasses import dataclass
 import torch
 from peft.tuners.lora.layer import Linear as LoraLinear
 from torch import nn
+from torch.nn import functional as F
 
 from qerl.kernels import lora_decode
 from qerl.kernels.nvfp4_matmul import interpreting
-from qerl.nn.nvfp4_linear import NVFP4Linear
+from qerl.nn.nvfp4_linear import NVFP4Linear, grouped_partial_sums
 
 
 @dataclass
@@ -49,14 +52,17 @@ def lora_parts(module: nn.Module) -> LoraParts | None:
     return LoraParts(module.base_layer, a, b, float(module.scaling[name]))
 
 
-def _base_partials(base: nn.Module, x2: torch.Tensor) -> torch.Tensor:
-    if isinstance(base, NVFP4Linear):
-        return base.partial_sums(x2)
-    return base(x2)[None]
+def _base_partials(bases: list[nn.Module], x2: torch.Tensor) -> list[torch.Tensor]:
+    if all(isinstance(base, NVFP4Linear) for base in bases):
+        return grouped_partial_sums(bases, x2)
+    return [base.partial_sums(x2) if isinstance(base, NVFP4Linear) else base(x2)[None]
+            for base in bases]
 
 
-def project(modules: list[nn.Module], x2: torch.Tensor) -> list[torch.Tensor]:
-    """Each module applied to the rows x2 [M, K]."""
+def project(modules: list[nn.Module], x2: torch.Tensor, silu_mul: bool = False
+            ) -> list[torch.Tensor]:
+    """Each module applied to the rows x2 [M, K]; with ``silu_mul`` (gate and up) the one
+    output silu(gate(x2)) * up(x2)."""
     parts = [lora_parts(m) for m in modules]
     fusable = (
         x2.shape[0] <= lora_decode.MAX_ROWS
@@ -65,10 +71,15 @@ def project(modules: list[nn.Module], x2: torch.Tensor) -> list[torch.Tensor]:
         and len({(p.a.shape, p.a.dtype) for p in parts}) == 1
     )
     if not fusable:
-        return [m(x2) for m in modules]
+        outs = [m(x2) for m in modules]
+        return [F.silu(outs[0]) * outs[1]] if silu_mul else outs
     x2 = x2.contiguous()
     xa = lora_decode.lora_shrink(x2, [p.a for p in parts])
-    return [lora_decode.lora_expand(xa, g, p.b, p.scaling, _base_partials(p.base, x2),
-                                    x2.dtype)
-            for g, p in enumerate(parts)]
-
+    bases = _base_partials([p.base for p in parts], x2)
+    if len({base.shape[0] for base in bases}) == 1:  # one launch for the group
+        return lora_decode.lora_expand_group(xa, [p.b for p in parts],
+                                             [p.scaling for p in parts], bases, x2.dtype,
+                                             silu_mul=silu_mul)
+    outs = [lora_decode.lora_expand(xa, g, p.b, p.scaling, base, x2.dtype)
+            for g, (p, base) in enumerate(zip(parts, bases, strict=True))]
+    return [F.silu(outs[0]) * outs[1]] if silu_mul else outs

@@ -126,6 +126,55 @@ def test_lora_shrink_expand_match_peft(poisoned, lora_dtype, rows, rank, group, 
             torch.testing.assert_close(got, ref, **tol, msg=lambda m, s=seed: f"{s}: {m}")
 
 
+@pytest.mark.parametrize("dtype", dtypes())
+@pytest.mark.parametrize(("rows", "splits", "base_splits"), [(3, 2, 1), (18, 1, 3)])
+def test_grouped_expand_equals_one_launch_per_member(poisoned, dtype, rows, splits,
+                                                     base_splits):
+    """Members side by side (widths off the 64-column block), and gate/up with SiLU and
+    the product fused, against torch's silu(gate) * up of the members' own outputs."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    k, rank, widths = 72, 16, [72, 24, 40]
+    x = rand(gen, rows, k, dtype=dtype)
+    a = [rand(gen, rank, k, dtype=dtype, scale=0.1) for _ in widths]
+    b = [rand(gen, n, rank, dtype=dtype, scale=0.1) for n in widths]
+    bases = [rand(gen, base_splits, rows, n) for n in widths]
+    if base_splits == 1:
+        bases = [base.to(dtype) for base in bases]
+    xa = lora_decode.lora_shrink(x, a, splits)
+    one = [lora_decode.lora_expand(xa, g, b[g], 0.5 + g, bases[g], dtype) for g in range(3)]
+    grouped = lora_decode.lora_expand_group(xa, b, [0.5, 1.5, 2.5], bases, dtype)
+    for g in range(3):
+        assert grouped[g].shape == (rows, widths[g])
+        assert torch.equal(grouped[g], one[g]), (g, seed)
+    # gate and up: members 1 and 2 of the shrink (of one width)
+    up_b = rand(gen, widths[1], rank, dtype=dtype, scale=0.1)
+    up_base = rand(gen, base_splits, rows, widths[1]).to(bases[1].dtype)
+    act = lora_decode.lora_expand_group(xa, [b[1], up_b], [1.5, 2.5], [bases[1], up_base],
+                                        dtype, first=1, silu_mul=True)[0]
+    up = lora_decode.lora_expand(xa, 2, up_b, 2.5, up_base, dtype)
+    ref = torch.nn.functional.silu(one[1]) * up
+    # exp and the division may differ from torch's in the last fp32 bit: one rounding of
+    # the 16-bit result apart at most.
+    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 1e-2,
+                                                                         "rtol": 8e-3}
+    torch.testing.assert_close(act, ref, **tol, msg=lambda m: f"{seed}: {m}")
+
+
+def test_grouped_expand_refuses_what_it_cannot_join():
+    gen = torch.Generator().manual_seed(0)
+    x = rand(gen, 4, 32)
+    xa = lora_decode.lora_shrink(x, [rand(gen, 8, 32), rand(gen, 8, 32)])
+    b = [rand(gen, 16, 8), rand(gen, 24, 8)]
+    with pytest.raises(ValueError, match="one width"):
+        lora_decode.lora_expand_group(xa, b, [1.0, 1.0], [rand(gen, 1, 4, 16),
+                                                          rand(gen, 1, 4, 24)],
+                                      torch.float32, silu_mul=True)
+    with pytest.raises(ValueError, match="same number of partial sums"):
+        lora_decode.lora_expand_group(xa, b, [1.0, 1.0], [rand(gen, 1, 4, 16),
+                                                          rand(gen, 2, 4, 24)], torch.float32)
+
+
 def test_lora_shrink_sums_its_partials_when_they_are_many(monkeypatch):
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)

@@ -95,6 +95,30 @@ def test_every_launch_shape_gives_the_same_sum_and_repeats_bit_for_bit(poisoned)
 
 @GPU
 @pytest.mark.gpu
+@pytest.mark.parametrize("widths", [[3584, 512, 512], [40, 17, 200], [96, 1000]])
+def test_one_launch_of_several_weights_equals_one_launch_each(poisoned, widths):
+    """q/k/v-like members (own scales, global scales and biases; widths off the 16-row
+    strip) in one launch: bit for bit the members' own launches of the same shape."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    k = 1040
+    members = []
+    for n in widths:
+        _, w4 = weight(n, k, gen)
+        members.append(gemv.Weight(*w4, torch.randn(n, generator=gen).to(torch.bfloat16)
+                                   .cuda(), n))
+    for m in (1, 13):
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+        for splits, k_warps in ((1, 4), (3, 2), (16, 1)):
+            got = gemv.grouped_partials(x, members, k, splits, k_warps)
+            assert got.shape == (splits, m, sum(widths))
+            each = torch.cat([gemv.partials(x, w.pairs, w.scale, w.global_scale, w.bias,
+                                            w.n, k, splits, k_warps) for w in members], -1)
+            assert torch.equal(got, each), (m, splits, k_warps, seed)
+
+
+@GPU
+@pytest.mark.gpu
 def test_replays_in_a_cuda_graph():
     gen = torch.Generator().manual_seed(fresh_seed())
     _, w4 = weight(512, 1024, gen)
