@@ -113,7 +113,7 @@ def test_lora_shrink_expand_match_peft(poisoned, lora_dtype, rows, rank, group, 
     a = [rand(gen, rank, k, dtype=lora_dtype, scale=0.1) for _ in range(group)]
     b = [rand(gen, n, rank, dtype=lora_dtype, scale=0.1) for n in widths]
     xa = lora_decode.lora_shrink(x, a, splits)
-    assert xa.shape[1:] == (rows, group * rank)
+    assert xa.shape == (1, rows, group * rank)
     for g, n in enumerate(widths):
         partials = rand(gen, 3, rows, n)
         base = partials.sum(0).to(dtype)
@@ -175,15 +175,21 @@ def test_grouped_expand_refuses_what_it_cannot_join():
                                                           rand(gen, 2, 4, 24)], torch.float32)
 
 
-def test_lora_shrink_sums_its_partials_when_they_are_many(monkeypatch):
+def test_lora_shrink_adds_up_its_slices_the_same_way_at_every_launch():
+    """The last program of each member sums the slices' partials (a counter per member,
+    left at zero for the next launch): one result, equal to an unsplit shrink to fp32
+    rounding, bit for bit the same when repeated."""
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
-    x, a = rand(gen, 7, 200), [rand(gen, 16, 200), rand(gen, 16, 200)]
-    many = lora_decode.lora_shrink(x, a, splits=4)
-    monkeypatch.setattr(lora_decode, "REDUCE_ABOVE", 0)
-    summed = lora_decode.lora_shrink(x, a, splits=4)
-    assert many.shape[0] == 4 and summed.shape[0] == 1
-    torch.testing.assert_close(summed[0], many.sum(0), atol=1e-6, rtol=1e-6)
+    x, a = rand(gen, 7, 200), [rand(gen, 16, 200), rand(gen, 16, 200), rand(gen, 16, 200)]
+    split = lora_decode.lora_shrink(x, a, splits=4)
+    assert split.shape == (1, 7, 48)
+    assert torch.equal(split, lora_decode.lora_shrink(x, a, splits=4)), seed
+    assert not lora_decode._counters(x.device).any()
+    ref = (x.double() @ torch.cat(a).double().T)[None]
+    torch.testing.assert_close(split.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(split, lora_decode.lora_shrink(x, a, splits=1), atol=1e-5,
+                               rtol=1e-5)
 
 
 def test_lora_kernels_refuse_what_they_cannot_hold():
