@@ -58,6 +58,12 @@ def test_the_step_table_compares_methods_only_at_the_same_settings(tmp_path):
     out = compare(frame)
     assert out["speed vs lora"].tolist()[:2] == [1.0, 2.0]
     assert len(out) == 3 and pd.isna(out["speed vs lora"].iloc[2])
+    # dated rows pair only with a LoRA row measured within the hour
+    frame["date"] = ["2026-01-01 10:00", "2026-01-01 10:30", "2026-01-01 12:00",
+                     "2026-01-01 10:40"]
+    assert pd.isna(compare(frame)["speed vs lora"].iloc[1])
+    frame.loc[2, "date"] = "2026-01-01 10:50"
+    assert compare(frame)["speed vs lora"].iloc[1] == 2.0
 
 
 def test_the_step_benchmark_gives_each_child_one_of_the_visible_gpus(monkeypatch):

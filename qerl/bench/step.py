@@ -12,8 +12,9 @@ run at once, one per GPU (the GPUs must be of one model: the ratios compare like
 One that runs out of memory is recorded as such, with the memory it had reached. Rows go to
 results/bench/efficiency_<card>.csv (the first step, which captures CUDA graphs and warms up, is
 left out of the medians); the table beside it, rewritten from the whole file, gives each
-method's step time against LoRA's at the same model and settings, and the paper's end-to-end
-speed beside it where it gives one.
+method's step time against LoRA's at the same model and settings measured within an hour of
+it (the same run or back to back on one machine), and the paper's end-to-end speed beside it
+where it gives one.
 """
 
 from __future__ import annotations
@@ -94,9 +95,15 @@ def _order(column):
     return column.str.extract(r"(\d+(?:\.\d+)?)b", expand=False).astype(float).fillna(0)
 
 
+# A ratio pairs a row with the LoRA row measured within this time of it: one run, or runs
+# back to back on one machine, so that no ratio mixes code versions or machines.
+PAIR_WINDOW_HOURS = 1.0
+
+
 def compare(frame):
     """The newest row of each (model, method, settings), with its speed against LoRA's at
-    the same model and settings and the paper's end-to-end speed."""
+    the same model and settings (measured within PAIR_WINDOW_HOURS of it, where the rows
+    are dated) and the paper's end-to-end speed."""
     import pandas as pd
 
     from qerl.report.run import PAPER
@@ -106,16 +113,25 @@ def compare(frame):
     frame = frame.sort_values(["completion", "prompts", "model", "method"], key=_order,
                               kind="stable")
     group = ["model", *SETTINGS]
-    lora = frame[frame.method == "lora"].set_index(group).step_s
-    keys = frame[group].itertuples(index=False, name=None)
-    frame = frame.assign(**{"speed vs lora": [
-        lora.get(k) / s if s and lora.get(k) else None
-        for k, s in zip(keys, frame.step_s, strict=True)]})
+    lora = frame[frame.method == "lora"].set_index(group)
+    dated = "date" in frame
+    window = pd.Timedelta(hours=PAIR_WINDOW_HOURS)
+
+    def speed(row) -> float | None:
+        key = tuple(row[g] for g in group)
+        if key not in lora.index or not row["step_s"] or pd.isna(lora.loc[key, "step_s"]):
+            return None
+        if dated and abs(pd.Timestamp(lora.loc[key, "date"]) - pd.Timestamp(row["date"])) \
+                > window:
+            return None
+        return lora.loc[key, "step_s"] / row["step_s"]
+
+    frame = frame.assign(**{"speed vs lora": [speed(row) for _, row in frame.iterrows()]})
     paper = pd.read_csv(PAPER)
     paper = paper[paper.metric == "end_to_end_speed"]
-    speed = {(paper_model(m), method): v
-             for m, method, v in zip(paper.model, paper.method, paper.value, strict=True)}
-    frame["paper speed vs lora"] = [speed.get((m, method)) for m, method
+    speed_paper = {(paper_model(m), method): v for m, method, v
+                   in zip(paper.model, paper.method, paper.value, strict=True)}
+    frame["paper speed vs lora"] = [speed_paper.get((m, method)) for m, method
                                     in zip(frame.model, frame.method, strict=True)]
     return frame
 
@@ -123,9 +139,9 @@ def compare(frame):
 def table(frame) -> str:
     """Markdown: each method's step and phase times against LoRA's (see ``compare``)."""
     frame = compare(frame)
-    columns = ["model", "method", "prompts", "generations", "completion", "micro_batch",
-               "grad_ckpt", "status", *[f"{p}_s" for p in PHASES], "step_s", "speed vs lora",
-               "paper speed vs lora", "rollout_tok_per_s", "peak_gb"]
+    columns = ["date", "model", "method", "prompts", "generations", "completion",
+               "micro_batch", "grad_ckpt", "status", *[f"{p}_s" for p in PHASES], "step_s",
+               "speed vs lora", "paper speed vs lora", "rollout_tok_per_s", "peak_gb"]
     return frame[[c for c in columns if c in frame]].to_markdown(index=False, floatfmt=".3g")
 
 
@@ -184,7 +200,9 @@ def write_table(path: Path) -> Path:
     out.write_text(f"# qerl bench step, {card}\n\n"
                    "P prompts x G completions of L (`completion`) tokens per step; "
                    "`step_s` is the sum of the phases (median over the steps after the "
-                   "first); speed vs lora compares rows of one model and settings.\n\n"
+                   "first); speed vs lora compares rows of one model and settings "
+                   "measured within an hour of each other (the same run, or back to back "
+                   "on one machine); rows without a LoRA row that close show none.\n\n"
                    + table(pd.read_csv(path)) + "\n")
     return out
 

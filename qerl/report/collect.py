@@ -84,14 +84,20 @@ def _kernels(results: Path) -> list[dict]:
 
 
 def _efficiency(results: Path) -> list[dict]:
+    """The newest step of each model, method and settings, with its speed against LoRA's
+    from the same run (``qerl bench step``'s own pairing)."""
+    from qerl.bench.step import compare
+
     rows = []
     for csv in sorted(results.glob("bench/**/efficiency_*.csv")):
-        for r in pd.read_csv(csv).to_dict("records"):
+        for r in compare(pd.read_csv(csv)).to_dict("records"):
             setting = f"G{r['generations']}-L{r['completion']}-P{r['prompts']}"
             rows += [{"kind": "step", "model": r["model"], "recipe": r["card"],
-                      "method": r["method"], "bench": setting, "metric": m, "value": r[m],
+                      "method": r["method"], "bench": setting, "metric": m, "value": r[k],
                       "source": str(csv)}
-                     for m in ("step_s", "rollout_s", "train_s", "peak_gb") if pd.notna(r[m])]
+                     for k, m in (("step_s", "step_s"), ("rollout_s", "rollout_s"),
+                                  ("train_s", "train_s"), ("peak_gb", "peak_gb"),
+                                  ("speed vs lora", "speed_vs_lora")) if pd.notna(r[k])]
     return rows
 
 

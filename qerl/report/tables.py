@@ -94,10 +94,9 @@ def efficiency(values: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
     wide = ours.pivot_table(index=["recipe", "model", "bench", "method"], columns="metric",
                             values="value").reset_index().rename(
         columns={"recipe": "card", "bench": "setting"})
-    lora = wide[wide.method == "lora"].set_index(["card", "model", "setting"]).step_s
-    wide["speed vs lora"] = [lora.get((r.card, r.model, r.setting)) / r.step_s
-                             if (r.card, r.model, r.setting) in lora else None
-                             for r in wide.itertuples()]
+    wide = wide.rename(columns={"speed_vs_lora": "speed vs lora"})
+    if "speed vs lora" not in wide:
+        wide["speed vs lora"] = None
     ref = paper[paper.metric == "end_to_end_speed"]
     speed = {(paper_model(r.model), r.method): r.value for r in ref.itertuples()}
     wide["paper speed vs lora"] = [speed.get((paper_model(r.model), r.method))

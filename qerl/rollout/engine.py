@@ -6,10 +6,10 @@ KV cache sized from a memory budget and the decode step replayed from a CUDA gra
     out.tokens, out.logprobs, out.finish_reasons
 
 Every call reads the policy's current parameters (LoRA, AQN-noised norms, NVFP4 codes) in
-place: there is no weight sync. A CUDA graph, captured once per batch size, holds pointers
-to those same tensors, so in-place optimizer updates are seen by the next replay; after
-replacing modules or tensors instead (``load_adapter``, ``model.to(...)``) call
-``engine.reset()`` so that the graphs are captured again.
+place: there is no weight sync. A CUDA graph, captured once per batch size and 256-slot
+bucket of context, holds pointers to those same tensors, so in-place optimizer updates are
+seen by the next replay; after replacing modules or tensors instead (``load_adapter``,
+``model.to(...)``) call ``engine.reset()`` so that the graphs are captured again.
 """
 
 from __future__ import annotations

@@ -42,9 +42,12 @@ def results(tmp_path):
                for w, r, t in [("bf16", 16, 1000.0), ("nvfp4", 16, 1500.0),
                                ("bf16", 32, 900.0), ("nvfp4", 32, 1200.0)]]
     write(root / f"bench/rollout/rollout_{CARD.replace(' ', '_')}.csv", rollout)
-    step = [{"card": CARD, "model": "qwen2.5-7b", "method": m, "generations": 8,
-             "completion": 512, "prompts": 4, "step_s": t, "rollout_s": t - 2,
-             "train_s": 1.5, "peak_gb": 40.0} for m, t in [("lora", 8.0), ("qerl", 6.4)]]
+    step = [{"date": d, "card": CARD, "model": "qwen2.5-7b", "method": m, "lora_rank": 32,
+             "generations": 8, "completion": 512, "prompts": 4, "micro_batch": 8,
+             "grad_ckpt": 0, "step_s": t, "rollout_s": t - 2, "train_s": 1.5,
+             "peak_gb": 40.0}
+            for d, m, t in [("2026-01-01 10:00", "qlora", 9.0), ("2026-01-02 10:00", "lora", 8.0),
+                            ("2026-01-02 10:20", "qerl", 6.4)]]
     write(root / f"bench/step/efficiency_{CARD.replace(' ', '_')}.csv", step)
     for variant, gain in (("lora", 0.1), ("qerl", 0.2)):
         for seed in (0, 1):
@@ -73,6 +76,7 @@ def test_tables_put_the_papers_numbers_beside_ours(results):
     assert "science_smol.png" in written["figures"]
     efficiency = pd.read_csv(results / "tables/efficiency.csv").set_index("method")
     assert efficiency.loc["qerl", "speed vs lora"] == pytest.approx(1.25)
+    assert pd.isna(efficiency.loc["qlora", "speed vs lora"])  # a day apart: another run
     assert efficiency.loc["qerl", "paper speed vs lora"] == 1.2
     accuracy = pd.read_csv(results / "tables/accuracy.csv")
     row = accuracy[(accuracy.recipe == "gsm8k") & (accuracy.bench == "gsm8k")].iloc[0]
