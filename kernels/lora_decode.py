@@ -2,8 +2,10 @@
 input (q/k/v, gate/up), instead of PEFT's six per projection (cast, two GEMMs, scale,
 add, cast back).
 
-    shrink: xa[s] = x @ A_g^T over the s-th slice of K, for every A_g of the group at once
-    expand: y_g = base_g + (sum_s xa[s]_g) @ B_g^T * scaling_g, rounded as PEFT rounds
+    shrink: xa = x @ A_g^T for every A_g of the group at once, one program per slice of K,
+            the last program of each member adding the slices' partial sums up
+    expand: y_g = base_g + xa_g @ B_g^T * scaling_g for every member (or, for gate/up,
+            silu(y_gate) * y_up), rounded as PEFT and torch round
 
 The expand also sums a base projection that arrives split over K (the NVFP4 kernels' fp32
 partials), so the base's own reduction costs no launch either. Rounding follows PEFT's
@@ -124,7 +126,7 @@ def _expand_tile(xa_ptr, b_ptr, base_ptr, M, N, R, col, scaling, stride_xs, stri
                 other=0.0)
     if TENSOR_CORES:
         # 16-bit operands holding 16-bit values: exact products, fp32 sums, as the "ieee"
-        # dot below but on the tensor cores (a 64-column tile of 7B gate/up: x us -> y us).
+        # dot below but on the tensor cores (7B gate/up expand on an H100: 9.9 -> 3.9 us).
         delta = tl.dot(xa.to(lora_dtype), tl.trans(b))
     else:
         delta = tl.dot(xa, tl.trans(b.to(tl.float32)), input_precision="ieee")
