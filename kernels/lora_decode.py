@@ -29,7 +29,7 @@ from qerl.kernels.rounding import round_as
 
 MAX_ROWS = 128  # rows a shrink program holds; more -> PEFT's own forward
 MAX_RANK = 128
-MAX_SPLITS = 64  # partial sums an expand program adds up (unrolled)
+MAX_SPLITS = 64  # K slices of a shrink, and base partial sums an expand adds up (unrolled)
 BLOCK_K = 64
 
 
@@ -108,19 +108,17 @@ def lora_shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, part_ptr, out_ptr, count_p
 
 
 @triton.jit
-def _expand_tile(xa_ptr, b_ptr, base_ptr, M, N, R, col, scaling, stride_xs, stride_xm,
-                 stride_bs, stride_bm, rows, n, OUT_DTYPE: tl.constexpr, SPLITS: tl.constexpr,
-                 BASE_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_R: tl.constexpr, TENSOR_CORES: tl.constexpr):
+def _expand_tile(xa_ptr, b_ptr, base_ptr, M, N, R, col, scaling, stride_xm, stride_bs,
+                 stride_bm, rows, n, OUT_DTYPE: tl.constexpr, BASE_SPLITS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                 TENSOR_CORES: tl.constexpr):
     """One member's [BLOCK_M, BLOCK_N] output tile, as fp32 holding OUT_DTYPE values."""
     r = tl.arange(0, BLOCK_R)
     row_ok = rows[:, None] < M
     n_ok = n < N
     lora_dtype = b_ptr.dtype.element_ty
-    xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        xa += tl.load(xa_ptr + s * stride_xs + rows[:, None] * stride_xm + col + r[None, :],
-                      mask=row_ok & (r[None, :] < R), other=0.0)
+    xa = tl.load(xa_ptr + rows[:, None] * stride_xm + col + r[None, :],
+                 mask=row_ok & (r[None, :] < R), other=0.0)
     xa = round_as(xa, lora_dtype)
     b = tl.load(b_ptr + n[:, None] * R + r[None, :], mask=n_ok[:, None] & (r[None, :] < R),
                 other=0.0)
@@ -142,10 +140,9 @@ def _expand_tile(xa_ptr, b_ptr, base_ptr, M, N, R, col, scaling, stride_xs, stri
 @triton.jit
 def lora_expand_kernel(xa_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, base2_ptr,
                        out_ptr, M, N0, N1, N2, R, col, scaling0, scaling1, scaling2,
-                       stride_xs, stride_xm, stride_bs0, stride_bm0, stride_bs1, stride_bm1,
+                       stride_xm, stride_bs0, stride_bm0, stride_bs1, stride_bm1,
                        stride_bs2, stride_bm2, stride_om, GROUP: tl.constexpr,
-                       SILU_MUL: tl.constexpr, SPLITS: tl.constexpr,
-                       BASE_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       SILU_MUL: tl.constexpr, BASE_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                        TENSOR_CORES: tl.constexpr):
     """Up to three members side by side in out's columns (member g after members 0 .. g-1,
@@ -160,11 +157,11 @@ def lora_expand_kernel(xa_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, bas
     blocks1 = tl.cdiv(N1, BLOCK_N)
     if SILU_MUL:
         n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        gate = _expand_tile(xa_ptr, b0_ptr, base0_ptr, M, N0, R, col, scaling0, stride_xs,
-                            stride_xm, stride_bs0, stride_bm0, rows, n, out_dtype, SPLITS,
+        gate = _expand_tile(xa_ptr, b0_ptr, base0_ptr, M, N0, R, col, scaling0,
+                            stride_xm, stride_bs0, stride_bm0, rows, n, out_dtype,
                             BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R, TENSOR_CORES)
-        up = _expand_tile(xa_ptr, b1_ptr, base1_ptr, M, N1, R, col + R, scaling1, stride_xs,
-                          stride_xm, stride_bs1, stride_bm1, rows, n, out_dtype, SPLITS,
+        up = _expand_tile(xa_ptr, b1_ptr, base1_ptr, M, N1, R, col + R, scaling1,
+                          stride_xm, stride_bs1, stride_bm1, rows, n, out_dtype,
                           BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R, TENSOR_CORES)
         act = round_as(gate / (1.0 + tl.exp(-gate)), out_dtype)
         tl.store(out + n[None, :], (act * up).to(out_dtype), mask=row_ok & (n < N0)[None, :])
@@ -172,16 +169,16 @@ def lora_expand_kernel(xa_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, bas
         # Triton cannot index a list of pointers at run time: one branch per member.
         if j < blocks0:
             n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-            y = _expand_tile(xa_ptr, b0_ptr, base0_ptr, M, N0, R, col, scaling0, stride_xs,
-                             stride_xm, stride_bs0, stride_bm0, rows, n, out_dtype, SPLITS,
+            y = _expand_tile(xa_ptr, b0_ptr, base0_ptr, M, N0, R, col, scaling0,
+                             stride_xm, stride_bs0, stride_bm0, rows, n, out_dtype,
                              BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R, TENSOR_CORES)
             tl.store(out + n[None, :], y.to(out_dtype), mask=row_ok & (n < N0)[None, :])
         if GROUP > 1:  # noqa: SIM102 (constexpr tests: Triton compiles the branches away)
             if j >= blocks0 and j < blocks0 + blocks1:
                 n = (j - blocks0) * BLOCK_N + tl.arange(0, BLOCK_N)
                 y = _expand_tile(xa_ptr, b1_ptr, base1_ptr, M, N1, R, col + R, scaling1,
-                                 stride_xs, stride_xm, stride_bs1, stride_bm1, rows, n,
-                                 out_dtype, SPLITS, BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R,
+                                 stride_xm, stride_bs1, stride_bm1, rows, n,
+                                 out_dtype, BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R,
                                  TENSOR_CORES)
                 tl.store(out + N0 + n[None, :], y.to(out_dtype),
                          mask=row_ok & (n < N1)[None, :])
@@ -189,8 +186,8 @@ def lora_expand_kernel(xa_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, bas
             if j >= blocks0 + blocks1:
                 n = (j - blocks0 - blocks1) * BLOCK_N + tl.arange(0, BLOCK_N)
                 y = _expand_tile(xa_ptr, b2_ptr, base2_ptr, M, N2, R, col + 2 * R, scaling2,
-                                 stride_xs, stride_xm, stride_bs2, stride_bm2, rows, n,
-                                 out_dtype, SPLITS, BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R,
+                                 stride_xm, stride_bs2, stride_bm2, rows, n,
+                                 out_dtype, BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R,
                                  TENSOR_CORES)
                 tl.store(out + N0 + N1 + n[None, :], y.to(out_dtype),
                          mask=row_ok & (n < N2)[None, :])
@@ -227,7 +224,7 @@ def _counters(device: torch.device) -> torch.Tensor:
 def lora_shrink(x: torch.Tensor, a_weights: list[torch.Tensor],
                 splits: int | None = None) -> torch.Tensor:
     """x [M, K] and up to three A [R, K] (one rank and dtype) -> x @ A_g^T in fp32 as
-    [1, M, len(A) * R], member g in columns g*R .. (g+1)*R. Computed over ``splits``
+    [M, len(A) * R], member g in columns g*R .. (g+1)*R. Computed over ``splits``
     slices of K (by default from the shapes) whose partial sums the kernel adds up itself:
     an expand then reads one sum instead of every slice's (7B o_proj on an H100: 2.1 us
     instead of 5.4)."""
@@ -247,13 +244,13 @@ def lora_shrink(x: torch.Tensor, a_weights: list[torch.Tensor],
         raise ValueError(f"splits must be 1 to {MAX_SPLITS}, got {splits}")
     per_split = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
     splits = triton.cdiv(k, per_split)
-    out = torch.empty((1, m, len(a_weights) * rank), dtype=torch.float32, device=x.device)
-    parts = out if splits == 1 else torch.empty((splits, *out.shape[1:]),
-                                                dtype=torch.float32, device=x.device)
+    out = torch.empty((m, len(a_weights) * rank), dtype=torch.float32, device=x.device)
+    parts = out[None] if splits == 1 else torch.empty((splits, *out.shape),
+                                                      dtype=torch.float32, device=x.device)
     padded = a_weights + [a_weights[0]] * (3 - len(a_weights))
     lora_shrink_kernel[(len(a_weights), splits)](
         x, *padded, parts, out, _counters(x.device), m, k, rank, per_split, x.stride(0),
-        parts.stride(0), parts.stride(1), out.stride(1), GROUP=len(a_weights),
+        parts.stride(0), parts.stride(1), out.stride(0), GROUP=len(a_weights),
         SPLITS=splits, BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_R=_rank_block(rank), BLOCK_K=BLOCK_K, ITERS=per_split // BLOCK_K, num_warps=4)
     return out
@@ -261,8 +258,9 @@ def lora_shrink(x: torch.Tensor, a_weights: list[torch.Tensor],
 
 def lora_expand(xa: torch.Tensor, member: int, b_weight: torch.Tensor, scaling: float,
                 base: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """base [splits', M, N] (a base projection's partial sums, or [1, M, N] in its own
-    dtype) + (xa's member ``member``) @ B^T * scaling -> [M, N] in ``out_dtype``."""
+    """base [splits, M, N] (a base projection's partial sums, or [1, M, N] in its own
+    dtype) + (the shrink's xa [M, G * R], member ``member``) @ B^T * scaling -> [M, N] in
+    ``out_dtype``."""
     return lora_expand_group(xa, [b_weight], [scaling], [base], out_dtype, first=member)[0]
 
 
@@ -273,7 +271,7 @@ def lora_expand_group(xa: torch.Tensor, b_weights: list[torch.Tensor], scalings:
     launch: their outputs as column views of one [M, sum of N] buffer; with ``silu_mul``
     (two members, gate and up) the single output silu(gate) * up instead. Every base has
     the same number of partial sums."""
-    splits, m, _ = xa.shape
+    m = xa.shape[0]
     rank = b_weights[0].shape[1]
     widths = [b.shape[0] for b in b_weights]
     if not 1 <= len(b_weights) <= 3 or len(scalings) != len(b_weights) or len(bases) != len(
@@ -288,9 +286,11 @@ def lora_expand_group(xa: torch.Tensor, b_weights: list[torch.Tensor], scalings:
                              f"{tuple(base.shape)}")
     if len({base.shape[0] for base in bases}) != 1:
         raise ValueError("every base of a group must have the same number of partial sums")
-    if max(splits, bases[0].shape[0]) > MAX_SPLITS:
-        raise ValueError(f"at most {MAX_SPLITS} partial sums, got {splits} and "
-                         f"{bases[0].shape[0]}")
+    if bases[0].shape[0] > MAX_SPLITS:
+        raise ValueError(f"at most {MAX_SPLITS} partial sums, got {bases[0].shape[0]}")
+    if xa.dim() != 2 or xa.shape[1] < (first + len(b_weights)) * rank or xa.stride(-1) != 1:
+        raise ValueError(f"xa must be the shrink's [M, G * {rank}] with members "
+                         f"{first}..{first + len(b_weights) - 1}, got {tuple(xa.shape)}")
     if any(b.shape[1] != rank or b.stride() != (rank, 1) for b in b_weights):
         raise ValueError("every B must be contiguous, of one rank")
     width = widths[0] if silu_mul else sum(widths)
@@ -306,11 +306,11 @@ def lora_expand_group(xa: torch.Tensor, b_weights: list[torch.Tensor], scalings:
     base_all = bases + [bases[0]] * pad
     lora_expand_kernel[(blocks, triton.cdiv(m, block_m))](
         xa, *b_all, *base_all, out, m, *(widths + [0] * pad), rank, first * rank,
-        *(list(scalings) + [0.0] * pad), xa.stride(0), xa.stride(1),
+        *(list(scalings) + [0.0] * pad), xa.stride(0),
         *[stride for base in base_all for stride in base.stride()[:2]], out.stride(0),
-        GROUP=len(b_weights), SILU_MUL=silu_mul, SPLITS=splits,
-        BASE_SPLITS=bases[0].shape[0], BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_R=_rank_block(rank), TENSOR_CORES=tensor_cores, num_warps=4)
+        GROUP=len(b_weights), SILU_MUL=silu_mul, BASE_SPLITS=bases[0].shape[0],
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_rank_block(rank),
+        TENSOR_CORES=tensor_cores, num_warps=4)
     if silu_mul:
         return [out]
     starts = [0, *itertools.accumulate(widths)]

@@ -318,10 +318,15 @@ def _kernel_flags(dtype: torch.dtype) -> dict:
     return {"ASM": asm, "BF16": dtype == torch.bfloat16, "PRE": pre, "POST": post}
 
 
+def _cuda_forward(x2: torch.Tensor) -> bool:
+    """Whether a forward of the rows x2 runs the CUDA kernel (see FORWARD_KERNEL)."""
+    return (FORWARD_KERNEL == "cuda" and x2.shape[0] <= CUDA_MAX_M and x2.is_cuda
+            and gemv.available(x2.device))
+
+
 def _fused(op: str, a2, n: int, k: int, pairs, scale, global_scale, bias=None):
     m = a2.shape[0]
-    if (op == "fwd" and FORWARD_KERNEL == "cuda" and m <= CUDA_MAX_M and a2.is_cuda
-            and gemv.available(a2.device)):
+    if op == "fwd" and _cuda_forward(a2):
         return gemv.partials(a2, pairs, scale, global_scale, bias, n, k)
     cfg = launch_config(op, m, n, k, _num_sms(a2.device))
     cols = n if op == "fwd" else k
@@ -397,8 +402,7 @@ def nvfp4_linear_grouped_partials(x2: torch.Tensor, weights: list[tuple]) -> lis
         raise QuantizationError(f"partial sums take 1 to {FUSED_MAX_M} contiguous rows "
                                 f"[M, K], got {tuple(x2.shape)}")
     k = x2.shape[1]
-    if (FORWARD_KERNEL == "cuda" and x2.shape[0] <= CUDA_MAX_M and x2.is_cuda
-            and len(weights) <= gemv.MAX_MEMBERS and gemv.available(x2.device)):
+    if len(weights) <= gemv.MAX_MEMBERS and _cuda_forward(x2):
         members = [gemv.Weight(*w, n) for w, (n, _) in zip(weights, shapes, strict=True)]
         out = gemv.grouped_partials(x2, members, k)
         starts = [0, *itertools.accumulate(n for n, _ in shapes)]

@@ -113,7 +113,7 @@ def test_lora_shrink_expand_match_peft(poisoned, lora_dtype, rows, rank, group, 
     a = [rand(gen, rank, k, dtype=lora_dtype, scale=0.1) for _ in range(group)]
     b = [rand(gen, n, rank, dtype=lora_dtype, scale=0.1) for n in widths]
     xa = lora_decode.lora_shrink(x, a, splits)
-    assert xa.shape == (1, rows, group * rank)
+    assert xa.shape == (rows, group * rank)
     for g, n in enumerate(widths):
         partials = rand(gen, 3, rows, n)
         base = partials.sum(0).to(dtype)
@@ -183,10 +183,10 @@ def test_lora_shrink_adds_up_its_slices_the_same_way_at_every_launch():
     gen = torch.Generator().manual_seed(seed)
     x, a = rand(gen, 7, 200), [rand(gen, 16, 200), rand(gen, 16, 200), rand(gen, 16, 200)]
     split = lora_decode.lora_shrink(x, a, splits=4)
-    assert split.shape == (1, 7, 48)
+    assert split.shape == (7, 48)
     assert torch.equal(split, lora_decode.lora_shrink(x, a, splits=4)), seed
     assert not lora_decode._counters(x.device).any()
-    ref = (x.double() @ torch.cat(a).double().T)[None]
+    ref = x.double() @ torch.cat(a).double().T
     torch.testing.assert_close(split.double(), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(split, lora_decode.lora_shrink(x, a, splits=1), atol=1e-5,
                                rtol=1e-5)

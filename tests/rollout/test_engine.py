@@ -221,8 +221,11 @@ def test_fused_step_equals_the_models_own_modules(method, tiny_model_dir, plain_
         PROMPTS, GREEDY) for f in (False, True))
     if method == "lora":
         assert fused.tokens == modules.tokens, seed
+        # fp32 sums in another order, amplified by the planted outliers: up to 8.2e-5 seen
+        # over 40 adapter seeds (1e-5 was exceeded by 5 of them, the same with the kernels
+        # before the grouped launches).
         assert torch.allclose(torch.tensor(fused.logprobs), torch.tensor(modules.logprobs),
-                              atol=1e-5), seed
+                              atol=2e-4), seed
     else:
         # Compared while the greedy tokens agree, and at the first step where a near tie
         # (within rounding) picks another token; after that the sequences differ.
