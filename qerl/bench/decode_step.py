@@ -24,8 +24,8 @@ from qerl.policy import LoraSettings, build_policy
 from qerl.rollout import Engine, SamplingParams
 
 
-def _replay_ms(engine: Engine, ids: torch.Tensor, slot: int, repeats: int = 20):
-    at = torch.tensor(slot, device="cuda")
+def _replay_ms(engine: Engine, ids: torch.Tensor, slot: int, at: torch.Tensor,
+               repeats: int = 20):
     engine._decode(ids, slot, at)  # captures the graph
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -35,11 +35,10 @@ def _replay_ms(engine: Engine, ids: torch.Tensor, slot: int, repeats: int = 20):
     return (time.perf_counter() - start) / repeats * 1e3
 
 
-def _kernels(engine: Engine, ids, slot, batch: int) -> tuple[int, str]:
+def _kernels(engine: Engine, ids, slot: int, at: torch.Tensor, batch: int) -> tuple[int, str]:
     from torch.profiler import ProfilerActivity, profile
 
     cache = engine._view(batch, engine._span(slot))
-    at = torch.tensor(slot, device="cuda")
     with torch.no_grad():
         engine.decoder(ids, at, cache)
         torch.cuda.synchronize()
@@ -64,9 +63,10 @@ def measure(arch: str, weights: str, rank: int, batches: list[int], slot: int) -
             prompts = torch.randint(0, 1000, (batch, slot)).tolist()
             engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
             ids = torch.zeros((batch, 1), dtype=torch.long, device="cuda")
+            at = torch.tensor(slot, device="cuda")
             with engine._eval():
-                step_ms = _replay_ms(engine, ids, slot)
-                kernels, top = _kernels(engine, ids, slot, batch)
+                step_ms = _replay_ms(engine, ids, slot, at)
+                kernels, top = _kernels(engine, ids, slot, at, batch)
             rows.append({"model": arch, "weights": weights, "lora_rank": rank,
                          "fused": int(fused), "batch": batch, "context": slot,
                          "step_ms": round(step_ms, 3), "kernels": kernels, "top_kernels": top})

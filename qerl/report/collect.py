@@ -90,14 +90,14 @@ def _efficiency(results: Path) -> list[dict]:
 
     rows = []
     for csv in sorted(results.glob("bench/**/efficiency_*.csv")):
-        for r in compare(pd.read_csv(csv)).to_dict("records"):
+        frame = compare(pd.read_csv(csv)).rename(columns={"speed vs lora": "speed_vs_lora"})
+        for r in frame.to_dict("records"):
             setting = f"G{r['generations']}-L{r['completion']}-P{r['prompts']}"
             rows += [{"kind": "step", "model": r["model"], "recipe": r["card"],
-                      "method": r["method"], "bench": setting, "metric": m, "value": r[k],
+                      "method": r["method"], "bench": setting, "metric": m, "value": r[m],
                       "source": str(csv)}
-                     for k, m in (("step_s", "step_s"), ("rollout_s", "rollout_s"),
-                                  ("train_s", "train_s"), ("peak_gb", "peak_gb"),
-                                  ("speed vs lora", "speed_vs_lora")) if pd.notna(r[k])]
+                     for m in ("step_s", "rollout_s", "train_s", "peak_gb", "speed_vs_lora")
+                     if pd.notna(r[m])]
     return rows
 
 

@@ -72,14 +72,14 @@ def project(modules: list[nn.Module], x2: torch.Tensor, silu_mul: bool = False
     )
     if not fusable:
         outs = [m(x2) for m in modules]
-        return [F.silu(outs[0]) * outs[1]] if silu_mul else outs
-    x2 = x2.contiguous()
-    xa = lora_decode.lora_shrink(x2, [p.a for p in parts])
-    bases = _base_partials([p.base for p in parts], x2)
-    if len({base.shape[0] for base in bases}) == 1:  # one launch for the group
-        return lora_decode.lora_expand_group(xa, [p.b for p in parts],
-                                             [p.scaling for p in parts], bases, x2.dtype,
-                                             silu_mul=silu_mul)
-    outs = [lora_decode.lora_expand(xa, g, p.b, p.scaling, base, x2.dtype)
-            for g, (p, base) in enumerate(zip(parts, bases, strict=True))]
+    else:
+        x2 = x2.contiguous()
+        xa = lora_decode.lora_shrink(x2, [p.a for p in parts])
+        bases = _base_partials([p.base for p in parts], x2)
+        if len({base.shape[0] for base in bases}) == 1:  # one launch for the group
+            return lora_decode.lora_expand_group(xa, [p.b for p in parts],
+                                                 [p.scaling for p in parts], bases, x2.dtype,
+                                                 silu_mul=silu_mul)
+        outs = [lora_decode.lora_expand(xa, g, p.b, p.scaling, base, x2.dtype)
+                for g, (p, base) in enumerate(zip(parts, bases, strict=True))]
     return [F.silu(outs[0]) * outs[1]] if silu_mul else outs
