@@ -17,6 +17,13 @@
 // codes 32p + 16 + 4w + {0..3}. Two mma steps consume a word of row g and of row g + 8:
 // the codes pair up with the contiguous activation pairs (x words) they multiply.
 //
+// Where the time went (H100, 7B decode launches, ncu and variants that read W or x from
+// one place): not the bytes but the instructions around them and, above 8 rows, x's L1
+// traffic. The main loop therefore reads whole quads without bounds checks (the last,
+// partial quad has its own loop), two chunks of W stay in flight per warp in registers,
+// and above 8 rows x is staged once per block in shared memory (kXStages quads ahead,
+// cp.async) instead of each warp loading it through L1.
+//
 // Decode (per 16-bit pair): a byte spread into the low byte of each half (prmt), its low
 // nibble masked and multiplied by 2^12 + 2^6 puts the sign at bit 15 and the magnitude at
 // bits 6-8 of a bf16 (E2M1 * 2^-126; code 1 lands on a subnormal), the high nibble by
@@ -59,6 +66,18 @@ struct Stage {
   Vec4 w[2];
   uint32_t s[2];
 };
+
+// x for M > 8 goes through shared memory, 16 bytes at a time (cp.async: no registers held
+// while in flight). Piece c (of 16) of token tok's 256 bytes of a quad is stored at c ^
+// ((tok & 1) * 2 + c / 8): the eight 16-byte reads of a quarter warp (tokens g, g + 1;
+// t = 0..3; the same half e) then fall in eight different bank groups.
+__device__ __forceinline__ int swizzle(int tok, int c) { return c ^ ((tok & 1) * 2 + (c >> 3)); }
+
+__device__ __forceinline__ void copy_async(uint4* smem, const void* gmem, bool valid) {
+  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(gmem),
+               "r"(valid ? 16 : 0));  // 0 bytes read: the 16 are zero-filled
+}
 
 template <bool BF16>
 __device__ __forceinline__ uint32_t decode_lo(uint32_t b) {
@@ -152,9 +171,12 @@ struct Member {
   const uint16_t* bias;  // or null
   long long stride_p, stride_s;
   int n, col, first_block;
+  int scale_pairs_aligned;  // every row's scales start 2-byte aligned: one load per group pair
 };
 
 constexpr int kMaxMembers = 3;
+constexpr int kDepth = 2;    // W chunks in flight per warp (in registers)
+constexpr int kXStages = 4;  // x quads in flight per block (in shared memory, M > 8)
 
 struct Args {
   const uint16_t* x;
@@ -162,26 +184,35 @@ struct Args {
   void* out;  // [splits][M][sum of n]: fp32 if out_f32, else x's dtype
   long long stride_xm, stride_os, stride_om;
   int members, m, groups;
-  int k_warps;          // warps of a block that split its K range (1, 2 or 4)
+  int k_warps;          // warps of a block that split its K range (1, 2 or 4; 1 for M > 8)
   int quads_per_split;  // quads of chunks (4 x 32 weights of K) per blockIdx.y
   int out_f32;
   float post;  // 2^62 (bf16) or 2^14 (fp16)
 };
 
-constexpr int kDepth = 2;  // chunks in flight per warp (4 measured slower: fewer warps fit)
-
 // Blocks per SM the registers must allow: the warps in flight are what hides memory
-// latency, and x's registers (16 per 8-token tile) would otherwise halve them at M = 16.
+// latency (6/5/4 measured 3-5% faster on 7B launches than 7/6/4, which spilled).
 template <int MT>
 constexpr int min_blocks() {
-  return MT == 1 ? 7 : MT == 2 ? 6 : 4;
+  return MT == 1 ? 6 : MT == 2 ? 5 : 4;
+}
+
+// Past one 8-token tile, the x loads were what the kernel waited on: a warp's 16-byte load
+// of 8 tokens touches 16 cache lines (the four threads of a token read 64 bytes apart), so
+// at M = 16 the L1 spent 4x W's time on x. There the block's four warps (each its own
+// strip, one K range) share x staged once in shared memory, read back conflict-free.
+template <int MT>
+__host__ __device__ constexpr bool shared_x() {
+  return MT > 1;
 }
 
 // MT: 8-token tiles (M <= 8 * MT).
 template <bool BF16, int MT>
 __global__ void __launch_bounds__(kWarps * 32, min_blocks<MT>())
     nvfp4_gemv_kernel(const __grid_constant__ Args a) {
-  __shared__ float partial[kWarps][MT * 4][32];
+  constexpr bool XS = shared_x<MT>();
+  __shared__ float partial[XS ? 1 : kWarps][MT * 4][32];
+  __shared__ uint4 xs[XS ? kXStages : 1][XS ? MT * 8 * 16 : 1];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int strips_per_block = kWarps / a.k_warps;
@@ -200,21 +231,67 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<MT>())
   const int per_warp = (max(b_end - b_begin, 0) + a.k_warps - 1) / a.k_warps;
   const int q_begin = b_begin + kslice * per_warp;
   const int q_end = min(b_end, q_begin + per_warp);
+  // Quads below `full` have all four chunks and both groups of each: the main loop reads
+  // them without a bounds check. Rows past n and tokens past m read row n - 1 and token
+  // m - 1 there (their sums are never stored), so no load is predicated and no register
+  // zeroed.
+  const int full = min(q_end, max(q_begin, a.groups / 8));
+  const uint8_t* w_row[2];
+  const uint8_t* s_row[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const long long row = min(rows[r], mb.n - 1);
+    w_row[r] = mb.pairs + row * mb.stride_p + 16 * t;  // + 64 a quad
+    s_row[r] = mb.scale + row * mb.stride_s + 2 * t;   // + 8 a quad
+  }
+  const uint16_t* x_row[XS ? 1 : MT];
+  if constexpr (!XS)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      x_row[mt] = a.x + min(mt * 8 + g, a.m - 1) * a.stride_xm + 32 * t;  // + 128 a quad
 
   auto load = [&](Stage& st, int q) {
-    const int p = 4 * q + t;
-    const bool chunk_ok = q < q_end && p < chunks;
-    const bool hi_ok = chunk_ok && 2 * p + 1 < a.groups;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      if (chunk_ok && rows[r] < mb.n) {
-        st.w[r] = load_stream(mb.pairs + rows[r] * mb.stride_p + 16 * p);
-        const uint8_t* s = mb.scale + rows[r] * mb.stride_s + 2 * p;
-        st.s[r] = __ldg(s) | (hi_ok ? static_cast<uint32_t>(__ldg(s + 1)) << 8 : 0u);
-      } else {
-        st.w[r] = Vec4{{0, 0, 0, 0}};
-        st.s[r] = 0;
-      }
+      st.w[r] = load_stream(w_row[r] + 64 * q);
+      const uint8_t* s = s_row[r] + 8 * q;
+      // Both groups' scales in one load where the row's scales are 2-byte aligned.
+      st.s[r] = mb.scale_pairs_aligned ? __ldg(reinterpret_cast<const uint16_t*>(s))
+                                       : __ldg(s) | static_cast<uint32_t>(__ldg(s + 1)) << 8;
+    }
+  };
+  // The last quad (K not a multiple of 128): chunks past K and a missing high group load
+  // zeros, and x there is not read at all (it may not exist).
+  auto load_tail = [&](Stage& st, int q) {
+    const bool chunk_ok = 4 * q + t < chunks;
+    const bool hi_ok = chunk_ok && 2 * (4 * q + t) + 1 < a.groups;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      st.w[r] = chunk_ok ? load_stream(w_row[r] + 64 * q) : Vec4{{0, 0, 0, 0}};
+      const uint8_t* s = s_row[r] + 8 * q;
+      st.s[r] = (chunk_ok ? __ldg(s) : 0u) |
+                (hi_ok ? static_cast<uint32_t>(__ldg(s + 1)) << 8 : 0u);
+    }
+  };
+  // Shared x (M > 8): the block's threads copy quad q of x (every token tile's 8 rows,
+  // 128 columns; columns past K zero-filled) into its slot; then, before a quad is
+  // multiplied, wait for its copy and start the one kXStages - 1 quads ahead (the barrier
+  // also tells that every warp is done with the slot being refilled).
+  auto stage_x = [&](int q) {
+    uint4* slot = xs[q % kXStages];
+    for (int i = threadIdx.x; i < MT * 8 * 16; i += kWarps * 32) {
+      const int tok = i >> 4, c = i & 15, col = 128 * q + 8 * c;
+      const bool ok = col < 16 * a.groups;
+      copy_async(slot + tok * 16 + swizzle(tok, c),
+                 a.x + min(tok, a.m - 1) * a.stride_xm + (ok ? col : 0), ok);
+    }
+  };
+  auto next_x = [&](int q) {
+    if constexpr (XS) {
+      asm volatile("cp.async.wait_group %0;" ::"n"(kXStages - 2));
+      __syncthreads();
+      if (q + kXStages - 1 < q_end) stage_x(q + kXStages - 1);
+      asm volatile("cp.async.commit_group;");
     }
   };
 
@@ -224,73 +301,98 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<MT>())
 #pragma unroll
     for (int j = 0; j < 4; ++j) acc[mt][j] = 0.f;
 
+  auto compute = [&](const Stage& st, int q, bool tail) {
+    const bool chunk_ok = !tail || 4 * q + t < chunks;
+    const bool hi_ok = !tail || (chunk_ok && 2 * (4 * q + t) + 1 < a.groups);
+    uint32_t s_lo[2], s_hi[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) scale_pairs<BF16>(st.s[r], s_lo[r], s_hi[r]);
+    // Activations x[token, 32p .. 32p + 31] in two halves (fewer live registers): half e
+    // holds pairs 4e..4e+3 (under the low nibbles of words 2e, 2e + 1) and 8 + 4e..
+    // 8 + 4e + 3 (under the high nibbles).
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      Vec4 xv[MT][2];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (XS) {
+          // Pieces 4t + e and 4t + e + 2 of the quad (zeros past K, copied so).
+          const uint4* row = xs[q % kXStages] + (mt * 8 + g) * 16;
+          const uint4 lo = row[swizzle(g, 4 * t + e)], hi = row[swizzle(g, 4 * t + e + 2)];
+          xv[mt][0] = Vec4{{lo.x, lo.y, lo.z, lo.w}};
+          xv[mt][1] = Vec4{{hi.x, hi.y, hi.z, hi.w}};
+        } else {
+          const uint16_t* xp = x_row[mt] + 128 * q + 8 * e;
+          xv[mt][0] = chunk_ok ? load_cached(xp) : Vec4{{0, 0, 0, 0}};
+          xv[mt][1] = hi_ok ? load_cached(xp + 16) : Vec4{{0, 0, 0, 0}};
+        }
+      }
+#pragma unroll
+      for (int w = 2 * e; w < 2 * e + 2; ++w) {
+        const uint32_t b0 = st.w[0].v[w], b1 = st.w[1].v[w];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t sel = h ? 0x4342 : 0x4140;
+          const uint32_t r0 = __byte_perm(b0, 0, sel), r1 = __byte_perm(b1, 0, sel);
+          const uint32_t frag[4] = {mul2<BF16>(decode_lo<BF16>(r0), s_lo[0]),
+                                    mul2<BF16>(decode_lo<BF16>(r1), s_lo[1]),
+                                    mul2<BF16>(decode_hi<BF16>(r0), s_hi[0]),
+                                    mul2<BF16>(decode_hi<BF16>(r1), s_hi[1])};
+          const int pair = 2 * (w - 2 * e) + h;  // x pair under the low nibbles
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+            mma<BF16>(acc[mt], frag, xv[mt][0].v[pair], xv[mt][1].v[pair]);
+        }
+      }
+    }
+  };
+
+  if constexpr (XS) {
+#pragma unroll
+    for (int i = 0; i < kXStages - 1; ++i) {
+      if (q_begin + i < q_end) stage_x(q_begin + i);
+      asm volatile("cp.async.commit_group;");
+    }
+  }
   Stage st[kDepth];
 #pragma unroll
-  for (int i = 0; i < kDepth; ++i) load(st[i], q_begin + i);
-
-  for (int q0 = q_begin; q0 < q_end; q0 += kDepth) {
+  for (int i = 0; i < kDepth; ++i)
+    if (q_begin + i < full) load(st[i], q_begin + i);
+  for (int q0 = q_begin; q0 < full; q0 += kDepth) {
 #pragma unroll
     for (int i = 0; i < kDepth; ++i) {
       const int q = q0 + i;
-      if (q >= q_end) break;
-      const int p = 4 * q + t;
-      const bool chunk_ok = p < chunks;
-      const bool hi_ok = chunk_ok && 2 * p + 1 < a.groups;
-      uint32_t s_lo[2], s_hi[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) scale_pairs<BF16>(st[i].s[r], s_lo[r], s_hi[r]);
-      // Activations x[token, 32p .. 32p + 31] in two halves (fewer live registers): half
-      // e holds pairs 4e..4e+3 (under the low nibbles of words 2e, 2e + 1) and 8 + 4e..
-      // 8 + 4e + 3 (under the high nibbles).
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        Vec4 xv[MT][2];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          const int tok = mt * 8 + g;
-          const uint16_t* xp = a.x + tok * a.stride_xm + 32 * p + 8 * e;
-          const bool ok = chunk_ok && tok < a.m;
-          xv[mt][0] = ok ? load_cached(xp) : Vec4{{0, 0, 0, 0}};
-          xv[mt][1] = ok && hi_ok ? load_cached(xp + 16) : Vec4{{0, 0, 0, 0}};
-        }
-#pragma unroll
-        for (int w = 2 * e; w < 2 * e + 2; ++w) {
-          const uint32_t b0 = st[i].w[0].v[w], b1 = st[i].w[1].v[w];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const uint32_t sel = h ? 0x4342 : 0x4140;
-            const uint32_t r0 = __byte_perm(b0, 0, sel), r1 = __byte_perm(b1, 0, sel);
-            const uint32_t frag[4] = {mul2<BF16>(decode_lo<BF16>(r0), s_lo[0]),
-                                      mul2<BF16>(decode_lo<BF16>(r1), s_lo[1]),
-                                      mul2<BF16>(decode_hi<BF16>(r0), s_hi[0]),
-                                      mul2<BF16>(decode_hi<BF16>(r1), s_hi[1])};
-            const int pair = 2 * (w - 2 * e) + h;  // x pair under the low nibbles
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-              mma<BF16>(acc[mt], frag, xv[mt][0].v[pair], xv[mt][1].v[pair]);
-          }
-        }
+      if (q < full) {
+        next_x(q);
+        compute(st[i], q, false);
+        if (q + kDepth < full) load(st[i], q + kDepth);
       }
-      load(st[i], q + kDepth);
     }
+  }
+  for (int q = full; q < q_end; ++q) {
+    load_tail(st[0], q);
+    next_x(q);
+    compute(st[0], q, true);
   }
 
   // Warps that split K add up in a fixed order (so results are deterministic).
-  if (a.k_warps > 1) {
+  if constexpr (!XS) {
+    if (a.k_warps > 1) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) partial[warp][mt * 4 + j][lane] = acc[mt][j];
-    __syncthreads();
-    if (kslice != 0) return;
+        for (int j = 0; j < 4; ++j) partial[warp][mt * 4 + j][lane] = acc[mt][j];
+      __syncthreads();
+      if (kslice != 0) return;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        float sum = 0.f;
-        for (int k = 0; k < a.k_warps; ++k) sum += partial[warp + k][mt * 4 + j][lane];
-        acc[mt][j] = sum;
-      }
+        for (int j = 0; j < 4; ++j) {
+          float sum = 0.f;
+          for (int k = 0; k < a.k_warps; ++k) sum += partial[warp + k][mt * 4 + j][lane];
+          acc[mt][j] = sum;
+        }
+    }
   }
 
   const float factor = a.post / *mb.global_scale;
@@ -355,7 +457,8 @@ int qerl_nvfp4_gemv(int bf16, const void* x, long long stride_xm, int members,
                     void* out, int out_f32, long long stride_os, long long stride_om, int m,
                     int k, int splits, int k_warps, int device, void* stream) {
   if (m < 1 || m > 32 || k % 16 != 0 || splits < 1 || members < 1 ||
-      members > kMaxMembers || (k_warps != 1 && k_warps != 2 && k_warps != 4))
+      members > kMaxMembers || (k_warps != 1 && k_warps != 2 && k_warps != 4) ||
+      (m > 8 && k_warps != 1))  // shared x: the block's warps share one K range
     return cudaErrorInvalidValue;
   const int groups = k / 16;
   const int quads = ((groups + 1) / 2 + 3) / 4;
@@ -368,7 +471,8 @@ int qerl_nvfp4_gemv(int bf16, const void* x, long long stride_xm, int members,
                          static_cast<const uint8_t*>(scale[g]),
                          static_cast<const float*>(global_scale[g]),
                          static_cast<const uint16_t*>(bias[g]), stride_p[g], stride_s[g],
-                         n[g], col, blocks};
+                         n[g], col, blocks,
+                         reinterpret_cast<uintptr_t>(scale[g]) % 2 == 0 && stride_s[g] % 2 == 0};
     blocks += ((n[g] + 15) / 16 + strips_per_block - 1) / strips_per_block;
     col += n[g];
   }

@@ -50,6 +50,8 @@ def test_launch_shape_fills_the_gpu_within_the_limits():
         assert 1 <= splits <= min(gemv.MAX_SPLITS, quads)
         assert k_warps in (1, 2, 4) and k_warps <= max(1, quads // splits)
     assert gemv.launch_shape(1, 37888, 3584, 132) == (1, 4)  # 7B gate_up: fills it alone
+    for m in (9, 16, 32):  # shared x: the block's warps share one K range
+        assert gemv.launch_shape(m, 4608, 3584, 132)[1] == 1
 
 
 @GPU
@@ -80,17 +82,20 @@ def test_every_launch_shape_gives_the_same_sum_and_repeats_bit_for_bit(poisoned)
     gen = torch.Generator().manual_seed(seed)
     n, k = 200, 1040
     q, w4 = weight(n, k, gen)
-    x = torch.randn(13, k, generator=gen).to(torch.bfloat16).cuda()
-    ref = x.double() @ nvfp4.dequantize(q, torch.float64).T
-    for splits in (1, 3, 16):
-        for k_warps in (1, 2, 4):
-            a = gemv.partials(x, *w4, None, n, k, splits=splits, k_warps=k_warps)
-            b = gemv.partials(x, *w4, None, n, k, splits=splits, k_warps=k_warps)
-            assert a.shape == (splits, 13, n)
-            assert a.dtype == (torch.float32 if splits > 1 else torch.bfloat16)
-            assert torch.equal(a, b), (splits, k_warps, seed)
-            err = ((a.double().sum(0) - ref).norm() / ref.norm()).item()
-            assert err < 8e-3, (splits, k_warps, seed)
+    w = nvfp4.dequantize(q, torch.float64)
+    # Up to 8 rows the block's warps may split K; above, they share x in shared memory.
+    for m, warps in ((7, (1, 2, 4)), (13, (1,)), (32, (1,))):
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+        ref = x.double() @ w.T
+        for splits in (1, 3, 16):
+            for k_warps in warps:
+                a = gemv.partials(x, *w4, None, n, k, splits=splits, k_warps=k_warps)
+                b = gemv.partials(x, *w4, None, n, k, splits=splits, k_warps=k_warps)
+                assert a.shape == (splits, m, n)
+                assert a.dtype == (torch.float32 if splits > 1 else torch.bfloat16)
+                assert torch.equal(a, b), (m, splits, k_warps, seed)
+                err = ((a.double().sum(0) - ref).norm() / ref.norm()).item()
+                assert err < 8e-3, (m, splits, k_warps, seed)
 
 
 @GPU
@@ -107,9 +112,9 @@ def test_one_launch_of_several_weights_equals_one_launch_each(poisoned, widths):
         _, w4 = weight(n, k, gen)
         members.append(gemv.Weight(*w4, torch.randn(n, generator=gen).to(torch.bfloat16)
                                    .cuda(), n))
-    for m in (1, 13):
+    for m, shapes in ((1, ((1, 4), (3, 2), (16, 1))), (13, ((1, 1), (3, 1), (16, 1)))):
         x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
-        for splits, k_warps in ((1, 4), (3, 2), (16, 1)):
+        for splits, k_warps in shapes:
             got = gemv.grouped_partials(x, members, k, splits, k_warps)
             assert got.shape == (splits, m, sum(widths))
             each = torch.cat([gemv.partials(x, w.pairs, w.scale, w.global_scale, w.bias,
@@ -148,6 +153,9 @@ def test_refuses_what_it_cannot_run():
     flat = torch.zeros(2 * 128 + 1, dtype=torch.bfloat16, device="cuda")[1:].view(2, 128)
     with pytest.raises(QuantizationError, match="aligned"):
         gemv.partials(flat, *w4, None, 64, 128)
+    with pytest.raises(QuantizationError, match="k_warps must be 1"):
+        gemv.partials(torch.zeros(9, 128, dtype=torch.bfloat16, device="cuda"), *w4, None,
+                      64, 128, splits=1, k_warps=2)
 
 
 def test_nvcc_is_found_on_cuda_home(monkeypatch, tmp_path):
