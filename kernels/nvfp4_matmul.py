@@ -239,10 +239,10 @@ def nvfp4_dequant_kernel(pairs_ptr, scale_ptr, global_scale_ptr, out_ptr, N, K,
 FUSED_MAX_M = 32
 # The fused forward on a GPU: "cuda" (nvfp4_gemv.cu, where it builds) up to CUDA_MAX_M rows,
 # else "triton"; module-level so that a benchmark can time both in one run. On an H100 the
-# CUDA kernel won every 7B layer up to M = 16 (1.1-1.8x) and lost qkv and down at M = 24
-# (results/bench/kernels_NVIDIA_H100_80GB_HBM3.csv).
+# CUDA kernel (x shared in shared memory above 8 rows) won every 7B layer up to M = 32:
+# 1.14-1.31x the Triton kernel at M = 24-32 (results/bench/kernels_NVIDIA_H100_80GB_HBM3.csv).
 FORWARD_KERNEL = "cuda"
-CUDA_MAX_M = 16
+CUDA_MAX_M = 32
 
 
 def interpreting() -> bool:
