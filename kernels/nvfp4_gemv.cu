@@ -21,7 +21,7 @@
 // one place): not the bytes but the instructions around them and, above 8 rows, x's L1
 // traffic. The main loop therefore reads whole quads without bounds checks (the last,
 // partial quad has its own loop), two chunks of W stay in flight per warp in registers,
-// and above 8 rows x is staged once per block in shared memory (kXStages quads ahead,
+// and above 8 rows x is staged once per block in shared memory (a quad ahead,
 // cp.async) instead of each warp loading it through L1.
 //
 // Decode (per 16-bit pair): a byte spread into the low byte of each half (prmt), its low
@@ -176,7 +176,9 @@ struct Member {
 
 constexpr int kMaxMembers = 3;
 constexpr int kDepth = 2;    // W chunks in flight per warp (in registers)
-constexpr int kXStages = 4;  // x quads in flight per block (in shared memory, M > 8)
+// x quads in shared memory per block (M > 8): the one being multiplied and the next (2, 3
+// and 4 measured the same).
+constexpr int kXStages = 2;
 
 struct Args {
   const uint16_t* x;
@@ -276,15 +278,24 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<MT>())
   // Shared x (M > 8): the block's threads copy quad q of x (every token tile's 8 rows,
   // 128 columns; columns past K zero-filled) into its slot; then, before a quad is
   // multiplied, wait for its copy and start the one kXStages - 1 quads ahead (the barrier
-  // also tells that every warp is done with the slot being refilled).
+  // also tells that every warp is done with the slot being refilled). An unrolled copy
+  // with its addresses set up once: 4% faster at M = 16 than a loop over the pieces.
+  // Thread i copies piece i % 16 of tokens i / 16 + 8j (j < MT): the same piece and token
+  // parity (so the same swizzle) for every j.
+  const int piece = threadIdx.x & 15, tok0 = threadIdx.x >> 4;
+  const int to0 = tok0 * 16 + swizzle(tok0, piece);
+  const uint16_t* x_from[XS ? MT : 1];
+  if constexpr (XS)
+#pragma unroll
+    for (int j = 0; j < MT; ++j)
+      x_from[j] = a.x + min(tok0 + 8 * j, a.m - 1) * a.stride_xm + 8 * piece;
+  static_assert(kWarps * 32 == 8 * 16, "a pass of the block's threads copies 8 tokens");
   auto stage_x = [&](int q) {
     uint4* slot = xs[q % kXStages];
-    for (int i = threadIdx.x; i < MT * 8 * 16; i += kWarps * 32) {
-      const int tok = i >> 4, c = i & 15, col = 128 * q + 8 * c;
-      const bool ok = col < 16 * a.groups;
-      copy_async(slot + tok * 16 + swizzle(tok, c),
-                 a.x + min(tok, a.m - 1) * a.stride_xm + (ok ? col : 0), ok);
-    }
+    const bool ok = 128 * q + 8 * piece < 16 * a.groups;
+#pragma unroll
+    for (int j = 0; j < MT; ++j)
+      copy_async(slot + to0 + 128 * j, x_from[j] + (ok ? 128 * q : 0), ok);
   };
   auto next_x = [&](int q) {
     if constexpr (XS) {
