@@ -34,6 +34,7 @@ from qerl.errors import QuantizationError
 SOURCE = Path(__file__).with_name("nvfp4_gemv.cu")
 MAX_M = 32  # four 8-token tiles
 MAX_SPLITS = 16  # as the Triton kernel: a consumer sums the partials unrolled
+SHARED_X_ABOVE = 8  # rows above which a block's warps share x and one K range (shared_x)
 log = logging.getLogger(__name__)
 
 
@@ -154,7 +155,7 @@ def launch_shape(m: int, n: int, k: int, num_sms: int) -> tuple[int, int]:
     (More splits at M = 1, k_warps = 1, made the kernel 8% faster and the LoRA expand,
     which adds the partials, as much slower: 4.70 ms a 7B step either way.)"""
     quads = -(-k // 128)
-    if m > 8:
+    if m > SHARED_X_ABOVE:
         return max(1, min(-(-16 * num_sms // -(-n // 16)), MAX_SPLITS, quads)), 1
     warps = -(-n // 16) * 4
     splits = max(1, min(-(-32 * num_sms // warps), MAX_SPLITS, -(-quads // 8)))
@@ -199,9 +200,9 @@ def grouped_partials(x2: torch.Tensor, weights: list[Weight], k: int,
     if x2.data_ptr() % 16 or any(w.pairs.data_ptr() % 16 for w in weights):
         raise QuantizationError("the CUDA kernel needs x and the packed weight 16-byte "
                                 "aligned (a view that starts mid-vector)")
-    if m > 8 and k_warps not in (None, 1):
-        raise QuantizationError(f"above 8 rows the CUDA kernel's warps share x and one K "
-                                f"range: k_warps must be 1, got {k_warps}")
+    if m > SHARED_X_ABOVE and k_warps not in (None, 1):
+        raise QuantizationError(f"above {SHARED_X_ABOVE} rows the CUDA kernel's warps share "
+                                f"x and one K range: k_warps must be 1, got {k_warps}")
     width = sum(w.n for w in weights)
     auto = launch_shape(m, width, k, torch.cuda.get_device_properties(x2.device)
                         .multi_processor_count)
