@@ -200,7 +200,7 @@ class Engine:
             length = torch.full((batch,), params.max_new_tokens, device=self.device)
             slots = torch.arange(longest, longest + params.max_new_tokens, device=self.device)
             for t in range(params.max_new_tokens):
-                token, logprob = sample(logits, params, generator)
+                token, logprob = sample(logits, params, generator, fused=self.decoder.fused)
                 tokens.append(token)
                 logprobs.append(logprob)
                 if not params.ignore_eos and stops.numel():

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from qerl.errors import QerlError
+from qerl.kernels import sampling as sampling_kernels
 
 
 @dataclass(frozen=True)
@@ -35,13 +36,18 @@ class SamplingParams:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams,
-           generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+           generator: torch.Generator | None, fused: bool = False
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] -> (tokens [B], log-probabilities [B]).
 
     The log-probability is the token's under the temperature-scaled distribution before
     top-k/top-p truncation: what a trainer recomputes from its own forward pass (TRL divides
     the logits by the temperature and takes the full log-softmax). Greedy returns the plain
-    log-softmax."""
+    log-softmax. ``fused`` (the engine's fused decode step) draws untruncated samples with
+    our two-launch kernel (kernels/sampling.py) instead of ~25 torch kernels; the same
+    distribution, from another stream of random numbers."""
+    if fused and params.top_k == 0 and params.top_p == 1:
+        return sampling_kernels.sample(logits, params.temperature, generator)
     logits = logits.float()
     if params.temperature == 0:
         tokens = logits.argmax(-1)

@@ -98,6 +98,20 @@ def test_sampled_logprobs_equal_a_forward_pass():
         assert torch.allclose(torch.tensor(logprobs, device=DEVICE), ref, atol=1e-4), seed
 
 
+def test_the_fused_sampler_is_seeded_and_its_logprobs_equal_a_forward_pass():
+    """The fused step samples with our kernel (kernels/sampling.py) when nothing truncates
+    the distribution."""
+    seed = fresh_seed()
+    model = tiny("qwen2", torch.float32, seed)
+    engine = Engine(model, max_batch=4, max_seq_len=16, fused=True)
+    params = SamplingParams(max_new_tokens=5, temperature=0.7, seed=seed)
+    out = engine.generate(PROMPTS, params)
+    assert engine.generate(PROMPTS, params).tokens == out.tokens, seed
+    for prompt, tokens, logprobs in zip(PROMPTS, out.tokens, out.logprobs, strict=True):
+        ref = forward_logprobs(model, prompt, tokens, temperature=0.7)
+        assert torch.allclose(torch.tensor(logprobs, device=DEVICE), ref, atol=1e-4), seed
+
+
 def test_the_sampler_draws_the_truncated_tempered_distribution():
     seed = fresh_seed()
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -3.0, -9.0]])

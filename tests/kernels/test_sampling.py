@@ -1,0 +1,108 @@
+"""The fused sampler (kernels/sampling.py) against torch: greedy tokens and every
+log-probability as torch computes them, and draws whose frequencies are the tempered
+softmax's, over vocabularies that span several slices and a partial block."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from qerl.kernels import sampling
+from qerl.kernels.nvfp4_matmul import interpreting
+from tests.conftest import fresh_seed
+from tests.kernels.conftest import device
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() or interpreting()), reason="no GPU and no interpreter")
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator(device=device()).manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_is_torch_argmax_and_log_softmax(poisoned, dtype):
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(5, 3001, generator=gen) * 3).to(dtype)
+    logits[1, [7, 2050, 3000]] = 40.0  # a tie across slices: the first column wins
+    logits[2, 3000] = 50.0  # the winner in the partial last block
+    logits = logits.to(device())
+    tokens, logprobs = sampling.sample(logits, 0.0, generator(seed))
+    ref = torch.log_softmax(logits.float(), -1)
+    assert torch.equal(tokens, logits.float().argmax(-1)), seed
+    assert tokens[1] == 7 and tokens[2] == 3000
+    torch.testing.assert_close(logprobs, ref.gather(-1, tokens[:, None])[:, 0], atol=1e-5,
+                               rtol=1e-5, msg=lambda m: f"seed {seed}: {m}")
+
+
+def test_log_probabilities_are_the_tempered_log_softmax(poisoned):
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(7, 2500, generator=gen) * 4).to(device())
+    logits[3, :1000] = float("-inf")  # masked entries: never drawn, no NaN
+    tokens, logprobs = sampling.sample(logits, 0.7, generator(seed))
+    ref = torch.log_softmax(logits / 0.7, -1).gather(-1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(logprobs, ref, atol=1e-5, rtol=1e-5,
+                               msg=lambda m: f"seed {seed}: {m}")
+    assert tokens[3] >= 1000, seed
+
+
+@triton.jit
+def _uniforms_kernel(seed_ptr, out_ptr, N: tl.constexpr):
+    at = tl.arange(0, N)
+    tl.store(out_ptr + at, tl.rand(tl.load(seed_ptr), at))
+
+
+def test_a_draw_is_the_argmax_of_logits_plus_gumbel_noise(monkeypatch):
+    """Exactly the exponential race over the whole row: the noise recomputed from the same
+    key (the generator's next draw) and Philox counters (row * V + column); small blocks so
+    that rows span three slices of two blocks, the last one partial."""
+    monkeypatch.setattr(sampling, "BLOCK", 8)
+    seed = fresh_seed()
+    rows, vocab, temperature = 3, 40, 0.8
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)).to(device())
+    logits[1, 20:24] = float("-inf")
+    tokens, _ = sampling.sample(logits, temperature, generator(seed), slices=3)
+    key = torch.randint(0, 2**62, (1,), device=device(), generator=generator(seed))
+    u = torch.empty(128, device=device())
+    _uniforms_kernel[(1,)](key, u, N=128)
+    noisy = logits / temperature - torch.log(-torch.log(u[:rows * vocab].view(rows, vocab)))
+    assert torch.equal(tokens, noisy.argmax(-1)), seed
+
+
+@GPU
+def test_draws_follow_the_tempered_softmax():
+    """40,000 draws at once (one per row) over a vocabulary of several slices, each
+    column's frequency within 5 standard deviations of its probability."""
+    seed = fresh_seed()
+    vocab, draws, temperature = 5000, 40_000, 0.8
+    logits = torch.full((vocab,), -30.0)
+    hot = torch.tensor([3, 1030, 1031, 2049, 4999])
+    logits[hot] = torch.tensor([1.0, 0.2, 0.5, -0.4, 0.8])
+    expected = torch.softmax(logits / temperature, -1)
+    tokens, _ = sampling.sample(logits.to(device()).expand(draws, -1), temperature,
+                                generator(seed), slices=5)
+    freq = torch.bincount(tokens.cpu(), minlength=vocab).float() / draws
+    sd = (expected * (1 - expected) / draws).sqrt()
+    assert ((freq - expected).abs() <= 5 * sd + 1e-6).all(), (seed, freq[hot], expected[hot])
+
+
+def test_a_seed_repeats_its_draws_and_another_does_not():
+    seed = fresh_seed()
+    logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(seed)).to(device())
+    first = sampling.sample(logits, 1.0, generator(seed))[0]
+    assert torch.equal(first, sampling.sample(logits, 1.0, generator(seed))[0])
+    assert not torch.equal(first, sampling.sample(logits, 1.0, generator(seed + 1))[0])
+
+
+def test_bad_logits_are_refused():
+    with pytest.raises(ValueError, match=r"\[rows, vocab\]"):
+        sampling.sample(torch.randn(4), 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        sampling.sample(torch.randn(8, 4).t(), 1.0)
+    with pytest.raises(ValueError, match="temperature"):
+        sampling.sample(torch.randn(2, 4), -1.0)
