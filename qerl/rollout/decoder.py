@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from qerl.kernels import decode_attention
 from qerl.kernels.rmsnorm import rms_norm
 from qerl.kernels.rotary_cache import reference_rotary_into_cache, rotary_into_cache
 from qerl.noise import output_in_input_dtype
@@ -71,9 +72,11 @@ class Decoder(nn.Module):
 
     ``fused`` (on CUDA, or under Triton's interpreter) runs the glue between the matmuls
     as our kernels — RMSNorm with the residual add, rotary with the cache write, LoRA in
-    two launches per input (kernels/, qerl/rollout/projections.py) — which a decode step,
-    a few rows, would otherwise spend ~200 launches per layer on. Unfused, every piece is
-    the model's own module: the reference the fused step is tested against."""
+    two launches per input (kernels/, qerl/rollout/projections.py), and a decode step's
+    attention split over the cache's live slots (kernels/decode_attention.py) — which a
+    decode step, a few rows, would otherwise spend ~200 launches per layer on, and SDPA
+    one program per sequence and kv head. Unfused, every piece is the model's own module:
+    the reference the fused step is tested against."""
 
     def __init__(self, model: nn.Module, fused: bool = False):
         super().__init__()
@@ -96,12 +99,14 @@ class Decoder(nn.Module):
         steps = ids.shape[1]
         slots = first_slot + torch.arange(steps, device=ids.device)  # [T]
         positions = (slots[None, :] - cache.pad[:, None]).clamp_min(0)  # [B, T]
-        all_slots = torch.arange(cache.k.shape[3], device=ids.device)
-        # [B, 1, T, S]: a query at slot q sees slots pad <= s <= q. A padding query sees
-        # itself, so that no row is empty (an empty row is NaN in attention, and NaN values
-        # in the cache would poison later queries even behind the mask).
-        s, q = all_slots[None, None, :], slots[None, :, None]
-        visible = ((s <= q) & ((s >= cache.pad[:, None, None]) | (s == q)))[:, None]
+        visible = None  # a decode step's fused attention reads pad and the slot itself
+        if not (self.fused and steps == 1 and decode_attention.supports(self.head_dim)):
+            all_slots = torch.arange(cache.k.shape[3], device=ids.device)
+            # [B, 1, T, S]: a query at slot q sees slots pad <= s <= q. A padding query sees
+            # itself, so that no row is empty (an empty row is NaN in attention, and NaN
+            # values in the cache would poison later queries even behind the mask).
+            s, q = all_slots[None, None, :], slots[None, :, None]
+            visible = ((s <= q) & ((s >= cache.pad[:, None, None]) | (s == q)))[:, None]
         h = self.embed(ids)
         cos, sin = self.rotary(h, positions)
         delta = None  # the last block's output, added to h by the next norm
@@ -145,7 +150,11 @@ class Decoder(nn.Module):
         else:
             q = reference_rotary_into_cache(q, k, v, cos, sin, cache.k[i], cache.v[i], slots,
                                             self._apply_rotary)
-        out = F.scaled_dot_product_attention(q, cache.k[i], cache.v[i], attn_mask=visible,
-                                             scale=self.scaling,
-                                             enable_gqa=self.heads != self.kv_heads)
+        if visible is None:
+            out = decode_attention.decode_attention(q, cache.k[i], cache.v[i], cache.pad,
+                                                    slots[0], self.scaling)
+        else:
+            out = F.scaled_dot_product_attention(q, cache.k[i], cache.v[i], attn_mask=visible,
+                                                 scale=self.scaling,
+                                                 enable_gqa=self.heads != self.kv_heads)
         return self._project([attn.o_proj], out.transpose(1, 2).reshape(batch, steps, -1))[0]
