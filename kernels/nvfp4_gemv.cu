@@ -11,8 +11,9 @@
 // change is needed at all: mma sums over K in any order, as long as A and B agree. Thread
 // (g, t) of a warp (g = lane / 4, t = lane % 4) owns W rows g and g + 8 of its 16-row strip
 // and token g of each 8-token tile; in a quad of chunks it reads chunk p = 4q + t (32
-// weights of each row: the 16 bytes of the pair-interleaved layout) and the 32
-// activations x[token, 32p .. 32p + 31] that those weights multiply. One 32-bit word of a
+// weights of each row: the 16 bytes of the pair-interleaved layout, whose 16-row tiles
+// keep a strip's quad in 1 KB of memory) and the 32 activations x[token, 32p .. 32p + 31]
+// that those weights multiply. One 32-bit word of a
 // row's chunk is bytes 4w..4w+3: low nibbles = codes 32p + 4w + {0..3}, high nibbles =
 // codes 32p + 16 + 4w + {0..3}. Two mma steps consume a word of row g and of row g + 8:
 // the codes pair up with the contiguous activation pairs (x words) they multiply.
@@ -169,7 +170,7 @@ struct Member {
   const uint8_t* scale;
   const float* global_scale;
   const uint16_t* bias;  // or null
-  long long stride_p, stride_s;
+  long long stride_p, stride_s;  // bytes from one 16-row tile of the codes to the next; scale rows
   int n, col, first_block;
   int scale_pairs_aligned;  // every row's scales start 2-byte aligned: one load per group pair
 };
@@ -243,7 +244,8 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<MT>())
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const long long row = min(rows[r], mb.n - 1);
-    w_row[r] = mb.pairs + row * mb.stride_p + 16 * t;  // + 64 a quad
+    // Tile row / 16 of the layout, its row % 16: a quad of the strip is 1 KB contiguous.
+    w_row[r] = mb.pairs + (row / 16) * mb.stride_p + (row % 16) * 64 + 16 * t;  // + 1024 a quad
     s_row[r] = mb.scale + row * mb.stride_s + 2 * t;   // + 8 a quad
   }
   const uint16_t* x_row[XS ? 1 : MT];
@@ -255,7 +257,7 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<MT>())
   auto load = [&](Stage& st, int q) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      st.w[r] = load_stream(w_row[r] + 64 * q);
+      st.w[r] = load_stream(w_row[r] + 1024 * q);
       const uint8_t* s = s_row[r] + 8 * q;
       // Both groups' scales in one load where the row's scales are 2-byte aligned.
       st.s[r] = mb.scale_pairs_aligned ? __ldg(reinterpret_cast<const uint16_t*>(s))
@@ -269,7 +271,7 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<MT>())
     const bool hi_ok = chunk_ok && 2 * (4 * q + t) + 1 < a.groups;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      st.w[r] = chunk_ok ? load_stream(w_row[r] + 64 * q) : Vec4{{0, 0, 0, 0}};
+      st.w[r] = chunk_ok ? load_stream(w_row[r] + 1024 * q) : Vec4{{0, 0, 0, 0}};
       const uint8_t* s = s_row[r] + 8 * q;
       st.s[r] = (chunk_ok ? __ldg(s) : 0u) |
                 (hi_ok ? static_cast<uint32_t>(__ldg(s + 1)) << 8 : 0u);

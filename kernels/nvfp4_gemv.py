@@ -165,7 +165,7 @@ def launch_shape(m: int, n: int, k: int, num_sms: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Weight:
-    """One packed NVFP4 weight [n, K] of a launch (nvfp4_layout's pair layout)."""
+    """One packed NVFP4 weight [n, K] of a launch (nvfp4_layout's pair-interleaved tiles)."""
 
     pairs: torch.Tensor
     scale: torch.Tensor

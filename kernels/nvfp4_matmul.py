@@ -105,6 +105,13 @@ def _all_below(like, value, limit):
 
 
 @triton.jit
+def _chunk_offsets(n, p, j, stride_pt):
+    """Byte offsets of bytes j of chunk p of rows n in the tiled layout (nvfp4_layout):
+    tile (n // 16, p // 4) of 16 rows x 64 bytes, row n % 16, bytes 16 (p % 4) + j."""
+    return (n // 16) * stride_pt + (p // 4) * 1024 + (n % 16) * 64 + (p % 4) * 16 + j
+
+
+@triton.jit
 def _split_range(chunks, SPLIT_K: tl.constexpr):
     per_split = tl.cdiv(chunks, SPLIT_K)
     start = tl.program_id(1) * per_split
@@ -115,7 +122,7 @@ def _split_range(chunks, SPLIT_K: tl.constexpr):
 def nvfp4_fwd_kernel(
     x_ptr, pairs_ptr, scale_ptr, global_scale_ptr, bias_ptr, out_ptr,
     M, N, K,
-    stride_xm, stride_pn, stride_sn, stride_os, stride_om,
+    stride_xm, stride_pt, stride_sn, stride_os, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr, BF16: tl.constexpr,
     PRE: tl.constexpr, POST: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr,
@@ -146,7 +153,7 @@ def nvfp4_fwd_kernel(
                 s_hi_ok = n_ok & _all_below(offs_n, 2 * p + 1, groups)
                 x_lo_ok = x_ok & (k_lo[None, :] < K)
                 x_hi_ok = x_ok & (k_lo[None, :] + 16 < K)
-            b = tl.load(pairs_ptr + offs_n[:, None] * stride_pn + p * 16 + j[None, :],
+            b = tl.load(pairs_ptr + _chunk_offsets(offs_n[:, None], p, j[None, :], stride_pt),
                         mask=b_ok, other=0)
             s_lo = tl.load(scale_ptr + offs_n * stride_sn + 2 * p, mask=s_lo_ok, other=0.0)
             s_hi = tl.load(scale_ptr + offs_n * stride_sn + 2 * p + 1, mask=s_hi_ok, other=0.0)
@@ -171,7 +178,7 @@ def nvfp4_fwd_kernel(
 def nvfp4_bwd_kernel(
     dy_ptr, pairs_ptr, scale_ptr, global_scale_ptr, out_ptr,
     M, N, K,
-    stride_dym, stride_pn, stride_sn, stride_os, stride_om,
+    stride_dym, stride_pt, stride_sn, stride_os, stride_om,
     SPLIT_K: tl.constexpr, ASM: tl.constexpr, BF16: tl.constexpr, PRE: tl.constexpr,
     POST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -187,7 +194,7 @@ def nvfp4_bwd_kernel(
     for c in range(start, stop):
         n = c * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
-        b = tl.load(pairs_ptr + n[:, None] * stride_pn + p * 16 + j[None, :],
+        b = tl.load(pairs_ptr + _chunk_offsets(n[:, None], p, j[None, :], stride_pt),
                     mask=n_ok[:, None], other=0)
         s_lo = tl.load(scale_ptr + n * stride_sn + 2 * p, mask=n_ok, other=0.0)
         s_hi = tl.load(scale_ptr + n * stride_sn + 2 * p + 1,
@@ -208,7 +215,7 @@ def nvfp4_bwd_kernel(
 
 @triton.jit
 def nvfp4_dequant_kernel(pairs_ptr, scale_ptr, global_scale_ptr, out_ptr, N, K,
-                         stride_pn, stride_sn, stride_on,
+                         stride_pt, stride_sn, stride_on,
                          BLOCK_N: tl.constexpr, PAIRS: tl.constexpr):
     """out[N, K] = deq(W) in out's dtype, bit for bit as nvfp4.dequantize: each weight is
     E2M1 * (scale / global_scale) in fp32, rounded once."""
@@ -218,8 +225,9 @@ def nvfp4_dequant_kernel(pairs_ptr, scale_ptr, global_scale_ptr, out_ptr, N, K,
     rows_ok = (offs_n < N)[:, None]
     n_ok = rows_ok[:, :, None]
     groups = K // 16
-    b = tl.load(pairs_ptr + offs_n[:, None, None] * stride_pn + p[None, :, None] * 16
-                + j[None, None, :], mask=n_ok & (2 * p < groups)[None, :, None], other=0)
+    b = tl.load(pairs_ptr + _chunk_offsets(offs_n[:, None, None], p[None, :, None],
+                                           j[None, None, :], stride_pt),
+                mask=n_ok & (2 * p < groups)[None, :, None], other=0)
     s_ptr = scale_ptr + offs_n[:, None] * stride_sn + 2 * p[None, :]
     s_lo = tl.load(s_ptr, mask=rows_ok & (2 * p < groups)[None, :], other=0.0)
     s_hi = tl.load(s_ptr + 1, mask=rows_ok & (2 * p + 1 < groups)[None, :], other=0.0)
@@ -425,8 +433,8 @@ def nvfp4_linear_grad_input(dy: torch.Tensor, pairs: torch.Tensor, scale: torch.
 
 
 def _reference_weight(pairs, scale, global_scale, dtype):
-    k = layout.check_layer(pairs, scale, global_scale)[1]
-    packed = layout.from_pairs(pairs, k)
+    n, k = layout.check_layer(pairs, scale, global_scale)
+    packed = layout.from_pairs(pairs, n, k)
     return nvfp4.dequantize(nvfp4.NVFP4Tensor(packed, scale, global_scale), dtype)
 
 

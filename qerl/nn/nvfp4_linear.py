@@ -40,7 +40,7 @@ class NVFP4LinearFunction(torch.autograd.Function):
 
 class NVFP4Linear(nn.Module):
     """``nn.Linear`` with a frozen NVFP4 weight. Buffers: ``weight_pairs``, the codes in the
-    kernels' pair-interleaved layout (permuted once, here, from the checkpoint's
+    kernels' pair-interleaved tiles (permuted once, here, from the checkpoint's
     ``weight_packed``, which ``packed_weight`` gives back), and ``weight_scale`` and
     ``weight_global_scale`` as in compressed-tensors checkpoints."""
 
@@ -74,7 +74,7 @@ class NVFP4Linear(nn.Module):
     @property
     def packed_weight(self) -> nvfp4.NVFP4Tensor:
         """The weight in compressed-tensors' packing."""
-        packed = layout.from_pairs(self.weight_pairs, self.in_features)
+        packed = layout.from_pairs(self.weight_pairs, self.out_features, self.in_features)
         return nvfp4.NVFP4Tensor(packed, self.weight_scale, self.weight_global_scale)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -25,9 +25,9 @@ POINTERS = {"fwd": ("x_ptr", "pairs_ptr", "scale_ptr", "global_scale_ptr", "bias
             "bwd": ("dy_ptr", "pairs_ptr", "scale_ptr", "global_scale_ptr", "out_ptr")}
 TYPES = {"pairs_ptr": "*u8", "scale_ptr": "*fp8e4nv", "global_scale_ptr": "*fp32",
          "out_ptr": "*fp32"}
-SCALARS = {"fwd": ("M", "N", "K", "stride_xm", "stride_pn", "stride_sn", "stride_os",
+SCALARS = {"fwd": ("M", "N", "K", "stride_xm", "stride_pt", "stride_sn", "stride_os",
                    "stride_om"),
-           "bwd": ("M", "N", "K", "stride_dym", "stride_pn", "stride_sn", "stride_os",
+           "bwd": ("M", "N", "K", "stride_dym", "stride_pt", "stride_sn", "stride_os",
                    "stride_om")}
 
 
