@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from qerl.kernels.nvfp4_matmul import interpreting
+from qerl.kernels.nvfp4_matmul import interpreting, num_sms
 from qerl.kernels.rounding import round_as
 
 WAVES = 3  # programs per SM that the split aims at
@@ -148,12 +148,6 @@ def supports(head_dim: int) -> bool:
     return 16 <= head_dim <= MAX_HEAD_DIM and not head_dim & (head_dim - 1)
 
 
-def _sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _check(q, k_cache, v_cache, pad, slot) -> None:
     if q.dim() != 4 or q.shape[2] != 1:
         raise ValueError(f"q must be [B, H, 1, D] (one decode step), got {tuple(q.shape)}")
@@ -201,7 +195,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     kv_heads, span = k_cache.shape[1:3]
     group = heads // kv_heads
     rows = batch * kv_heads
-    nsplit, block_s = launch_shape(span, rows, _sms(q.device))
+    nsplit, block_s = launch_shape(span, rows, num_sms(q.device))
     if splits is not None:
         if not 1 <= splits <= MAX_SPLITS:
             raise ValueError(f"splits must be 1 to {MAX_SPLITS}, got {splits}")

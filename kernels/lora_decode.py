@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.kernels.nvfp4_matmul import interpreting
+from qerl.kernels.nvfp4_matmul import interpreting, num_sms
 from qerl.kernels.rounding import round_as
 
 MAX_ROWS = 128  # rows a shrink program holds; more -> PEFT's own forward
@@ -201,9 +201,7 @@ def _splits(k: int, group: int, device: torch.device) -> int:
     """K slices: one program per SM in all. Each program's slice is a short serial chain
     of loads, so more slices is faster (7B down, K = 18944, M = 1: 26 us at 16 slices,
     6 us at 60; H200)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count \
-        if device.type == "cuda" else 4
-    return max(1, min(triton.cdiv(sms, group), MAX_SPLITS, triton.cdiv(k, BLOCK_K)))
+    return max(1, min(triton.cdiv(num_sms(device), group), MAX_SPLITS, triton.cdiv(k, BLOCK_K)))
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

@@ -279,7 +279,8 @@ def _check(a: torch.Tensor, pairs, scale, global_scale, what: str) -> tuple[int,
     return n, k
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """SMs of a CUDA device; 4 elsewhere (the interpreter), to size grids alike."""
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -336,7 +337,7 @@ def _fused(op: str, a2, n: int, k: int, pairs, scale, global_scale, bias=None):
     m = a2.shape[0]
     if op == "fwd" and _cuda_forward(a2):
         return gemv.partials(a2, pairs, scale, global_scale, bias, n, k)
-    cfg = launch_config(op, m, n, k, _num_sms(a2.device))
+    cfg = launch_config(op, m, n, k, num_sms(a2.device))
     cols = n if op == "fwd" else k
     out_dtype = torch.float32 if cfg.split_k > 1 else a2.dtype
     out = torch.empty((cfg.split_k, m, cols), dtype=out_dtype, device=a2.device)

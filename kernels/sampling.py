@@ -1,6 +1,6 @@
 """Sampling a token per row of logits, and its log-probability, in two launches.
 
-torch's way (``log_softmax``, ``softmax``, ``multinomial``, ``gather``) is ~25 kernels over
+torch's way (``log_softmax``, ``softmax``, ``multinomial``, ``gather``) is ~20 kernels over
 [B, V] in fp32; at a decode step's few rows its softmaxes run one block per row (16 blocks
 on 132 SMs at batch 16): 0.2-0.4 ms a step, 4-8% of a 7B rollout. Here the vocabulary is
 split over many programs:
@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from qerl.kernels.nvfp4_matmul import num_sms
 
 BLOCK = 1024
 MAX_SLICES = 128
@@ -101,9 +103,7 @@ def sample_combine_kernel(logits_ptr, max_ptr, sum_ptr, key_ptr, index_ptr, toke
 
 def _slices(rows: int, vocab: int, device: torch.device) -> int:
     """Vocabulary slices per row: ~4 programs per SM in all, each at least one BLOCK."""
-    sms = (torch.cuda.get_device_properties(device).multi_processor_count
-           if device.type == "cuda" else 4)
-    return max(1, min(MAX_SLICES, 4 * sms // rows, triton.cdiv(vocab, BLOCK)))
+    return max(1, min(MAX_SLICES, 4 * num_sms(device) // rows, triton.cdiv(vocab, BLOCK)))
 
 
 def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None,

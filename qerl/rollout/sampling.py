@@ -44,7 +44,7 @@ def sample(logits: torch.Tensor, params: SamplingParams,
     top-k/top-p truncation: what a trainer recomputes from its own forward pass (TRL divides
     the logits by the temperature and takes the full log-softmax). Greedy returns the plain
     log-softmax. ``fused`` (the engine's fused decode step) draws untruncated samples with
-    our two-launch kernel (kernels/sampling.py) instead of ~25 torch kernels; the same
+    our two-launch kernel (kernels/sampling.py) instead of ~20 torch kernels; the same
     distribution, from another stream of random numbers."""
     if fused and params.top_k == 0 and params.top_p == 1:
         return sampling_kernels.sample(logits, params.temperature, generator)
