@@ -387,7 +387,9 @@ def nvfp4_linear(x: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
         return x.new_empty((*x.shape[:-1], n))
     if x2.shape[0] > FUSED_MAX_M:  # compute-bound: decode W once, then the BF16 GEMM
         w = dequantize(pairs, scale, global_scale, x.dtype)
-        return torch.nn.functional.linear(x2, w, bias).reshape(*x.shape[:-1], n)
+        y = torch.nn.functional.linear(x2, w, bias)
+        # Not even a same-shape view for 2-D x: a LoRA layer adds its adapter to it in place.
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
     return _reduced(_fused("fwd", x2, n, k, pairs, scale, global_scale, bias),
                     x.dtype).reshape(*x.shape[:-1], n)
 

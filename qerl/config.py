@@ -91,6 +91,8 @@ class TrainSection(Section):
     lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = "cosine"
     max_grad_norm: float = Field(0.2, gt=0)
     gradient_checkpointing: bool = False
+    # Liger-Kernel's fused RMSNorm and SwiGLU in the training forward on a GPU (qerl.nn.liger).
+    liger: bool = True
     save_steps: int = Field(10, ge=1)
     logging_steps: int = Field(1, ge=1)
     report_to: list[Literal["tensorboard", "wandb"]] = ["tensorboard"]

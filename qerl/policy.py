@@ -29,7 +29,7 @@ from qerl.checkpoint import FORMAT, NVFP4Checkpoint, load_checkpoint, read_json
 from qerl.errors import ArchitectureError, QerlError
 from qerl.formats import nvfp4
 from qerl.nn import NVFP4Linear
-from qerl.nn.nvfp4_lora import register_nvfp4
+from qerl.nn.nvfp4_lora import register_lora_layers
 from qerl.noise import AdaptiveQuantizationNoise, AQNSettings
 from qerl.quantize import KEEP_DENSE, fusion_groups, quantize_group
 from qerl.sources import Source, copy_extras, open_source
@@ -66,11 +66,17 @@ class LoraSettings:
         if not self.target_modules:
             raise PolicyError("LoRA needs at least one target module")
 
-    def peft_config(self, nvfp4_base: bool) -> LoraConfig:
+    def peft_config(self, method: str) -> LoraConfig:
         config = LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
                             target_modules=list(self.target_modules), bias="none",
                             task_type="CAUSAL_LM")
-        return register_nvfp4(config) if nvfp4_base else config
+        return _with_lora_layers(config, method)
+
+
+def _with_lora_layers(config: LoraConfig, method: str) -> LoraConfig:
+    """``config`` with our LoRA layers registered for ``method``'s base; QLoRA's NF4 layers
+    keep PEFT's."""
+    return config if method == "qlora" else register_lora_layers(config, method == "qerl")
 
 
 @dataclass
@@ -137,7 +143,7 @@ def build_policy(method: str, model: str | Path | None = None, *, arch: str | No
         _check_targets(base, lora.target_modules)
         for p in base.parameters():
             p.requires_grad_(False)
-        wrapped = get_peft_model(base, lora.peft_config(nvfp4_base=method == "qerl"))
+        wrapped = get_peft_model(base, lora.peft_config(method))
     policy = Policy(method, wrapped, base.config, description, lora, save_extras=extras)
     if lora is not None and lora.train_norms:
         for w in policy.norm_weights().values():
@@ -157,9 +163,7 @@ def load_adapter(policy: Policy, directory: str | Path, trainable: bool = False)
         raise PolicyError(f"method {policy.method!r} takes no adapter")
     if not (directory / "adapter_config.json").is_file():
         raise PolicyError(f"{directory}: no adapter_config.json; not a PEFT adapter")
-    config = LoraConfig.from_pretrained(directory)
-    if policy.method == "qerl":
-        register_nvfp4(config)
+    config = _with_lora_layers(LoraConfig.from_pretrained(directory), policy.method)
     base = policy.model.unload() if isinstance(policy.model, PeftModel) else policy.model
     try:
         policy.model = PeftModel.from_pretrained(base, directory, config=config,

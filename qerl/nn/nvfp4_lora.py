@@ -1,21 +1,23 @@
 """LoRA on NVFP4Linear through PEFT's custom-module support.
 
-The layer reuses PEFT's own LoRA Linear (its forward, dropout, scaling and adapter dtype
-handling), so that the same adapter gives the same numbers on an NVFP4 base as on the BF16
-one, up to the base weights' quantization. Only what needs the dense base weight differs:
-merging into a 4-bit weight cannot be done in place (export a merged BF16 model instead).
+The layer is the BF16 base's LoRA Linear (``qerl.nn.lora_linear``: PEFT's own, with its
+fast path under autocast), so that the same adapter gives the same numbers on an NVFP4 base
+as on the BF16 one, up to the base weights' quantization. Only what needs the dense base
+weight differs: merging into a 4-bit weight cannot be done in place (export a merged BF16
+model instead).
 """
 
 from __future__ import annotations
 
 from peft import LoraConfig
-from peft.tuners.lora.layer import Linear as PeftLoraLinear
+from torch import nn
 
 from qerl.errors import QerlError
+from qerl.nn.lora_linear import LoraLinear
 from qerl.nn.nvfp4_linear import NVFP4Linear
 
 
-class NVFP4LoraLinear(PeftLoraLinear):
+class NVFP4LoraLinear(LoraLinear):
     """PEFT LoRA layer whose base is a frozen NVFP4Linear."""
 
     def _get_in_out_features(self, module):
@@ -29,8 +31,12 @@ class NVFP4LoraLinear(PeftLoraLinear):
         raise QerlError("an NVFP4 base is never merged, so there is nothing to unmerge")
 
 
-def register_nvfp4(config: LoraConfig) -> LoraConfig:
-    """Let ``config`` put LoRA on NVFP4Linear layers (PEFT's experimental custom-module API;
-    not saved with the adapter, so a reload onto an NVFP4 base registers again)."""
-    config._register_custom_module({NVFP4Linear: NVFP4LoraLinear})
+def register_lora_layers(config: LoraConfig, nvfp4_base: bool) -> LoraConfig:
+    """Let ``config`` put our LoRA layers on Linear (and NVFP4Linear) layers: PEFT's
+    experimental custom-module API, not saved with the adapter, so a reload registers again.
+    Not for a bitsandbytes base: its layers subclass nn.Linear, which the mapping matches by
+    isinstance, and need PEFT's own LoRA layers."""
+    config._register_custom_module({nn.Linear: LoraLinear})
+    if nvfp4_base:
+        config._register_custom_module({NVFP4Linear: NVFP4LoraLinear})
     return config

@@ -30,6 +30,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from qerl.config import ConfigError, TrainConfig
+from qerl.nn.liger import use_liger
 from qerl.rl.rewards import REWARDS, checked
 from qerl.rollout import Engine, SamplingParams
 
@@ -129,6 +130,8 @@ class QerlGRPOTrainer(GRPOTrainer):
             raise ConfigError("rl.dynamic_sampling runs on one process for now (refills "
                               "would have to agree across processes); turn it off for "
                               "multi-GPU runs")
+        if device.type == "cuda" and config.train.liger:
+            use_liger(policy.base_model)
         self.add_callback(_RestoreNoise(self))
         self.add_callback(_PhaseTimes(self))
         self._phases = dict.fromkeys(PHASES, 0.0)
