@@ -13,7 +13,10 @@ the paper needs and TRL lacks:
   with ``aqn.rollout_only``);
 - DAPO's overlong reward shaping (a reward function) and dynamic sampling (groups whose
   rewards all agree carry no signal: they are replaced by fresh prompts' groups);
-- metrics TRL does not log: AQN sigma, rollout tokens/s, peak GPU memory.
+- metrics TRL does not log: AQN sigma, rollout tokens/s, peak GPU memory;
+- a faster training forward: causal attention over padded batches without a mask
+  (``qerl.nn.padded_attention``), Liger's fused norm and SwiGLU on GPU (``qerl.nn.liger``),
+  and LoRA added inside the base GEMM (``qerl.nn.lora_linear``).
 
 Every random draw of a step is seeded from (seed, step): rollouts, AQN noise, refills. So
 a run resumed from a checkpoint (TRL/transformers restore the optimizer, scheduler, data
@@ -31,6 +34,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from qerl.config import ConfigError, TrainConfig
 from qerl.nn.liger import use_liger
+from qerl.nn.padded_attention import use_padded_attention
 from qerl.rl.rewards import REWARDS, checked
 from qerl.rollout import Engine, SamplingParams
 
@@ -130,6 +134,7 @@ class QerlGRPOTrainer(GRPOTrainer):
             raise ConfigError("rl.dynamic_sampling runs on one process for now (refills "
                               "would have to agree across processes); turn it off for "
                               "multi-GPU runs")
+        use_padded_attention(policy.base_model)
         if device.type == "cuda" and config.train.liger:
             use_liger(policy.base_model)
         self.add_callback(_RestoreNoise(self))
