@@ -101,8 +101,9 @@ def test_the_entropy_benchmark_refuses_unknown_weights():
 
 def test_the_footprint_estimate_matches_the_measured_steps(tmp_path):
     """The estimate against every `qerl bench step` run on the H100 (committed results):
-    within 10% at 7B-32B, within 30% at 3B; the runs that ran out of memory estimated
-    above the card's 80 GB. The weights term is the NVFP4 checkpoint's size (5.85 GB)."""
+    within 10% at 7B-72B, within 30% at 3B (whose rows are from the version before); the
+    runs that ran out of memory estimated above the card's 80 GB. The weights term is the
+    NVFP4 checkpoint's size (5.85 GB)."""
     import pandas as pd
 
     from qerl.bench.footprint import estimate, measured_peaks

@@ -13,10 +13,15 @@ The terms (decimal GB), for P prompts x G completions of L tokens after a prompt
 - lora: the adapters in fp32 with their gradients and AdamW's two moments (16 bytes each);
 - kv_cache: the rollout engine's cache, sized for all P x G sequences at full length;
 - checkpointed: each layer's input for one micro-batch, kept for the backward pass;
-- layer: one layer's activations while it is recomputed in the backward pass;
-- logits: one micro-batch's BF16 logits over the vocabulary.
-Checked against `qerl bench step` on an H100 (tests/test_bench_cli.py): 7B-72B within 10%;
-3B overestimated by ~25% (its logits are not all live at once).
+- layer: one layer's activations while it is recomputed in the backward pass, the peak:
+  for lora and qerl 4 intermediate-sized and 8 hidden-sized BF16 tensors a token (fitted
+  to this version's 7B, 14B and 32B steps, within 2%: LoRA added inside the GEMM, Liger's
+  norm and SwiGLU); for qlora, whose LoRA layer is PEFT's own (fp32 copies of every
+  projection's input), the fit of the version before: 3 and 6, plus
+- logits: one micro-batch's BF16 logits over the vocabulary (qlora only; TRL's fused
+  lm_head does not hold them at the lora and qerl peak).
+Checked against `qerl bench step` on an H100 (tests/test_bench_cli.py): 7B-72B within 10%,
+3B within 25%.
 ``--measured`` adds the measured peak of runs with the same settings beside each row.
 """
 
@@ -55,8 +60,9 @@ def estimate(arch: str, method: str, prompts: int, generations: int, completion:
         "lora": adapters * 16,
         "kv_cache": layers * 2 * kv * 2 * prompts * generations * tokens,
         "checkpointed": layers * micro_batch * tokens * hidden * 2,
-        "layer": micro_batch * tokens * (3 * inter + 6 * hidden) * 2,
-        "logits": micro_batch * tokens * c.vocab_size * 2,
+        "layer": micro_batch * tokens * ((3 * inter + 6 * hidden) if method == "qlora"
+                                         else (4 * inter + 8 * hidden)) * 2,
+        "logits": micro_batch * tokens * c.vocab_size * 2 if method == "qlora" else 0,
     }
     terms = {k: v / GB for k, v in terms.items()}
     return {**terms, "total": sum(terms.values())}

@@ -52,6 +52,8 @@ def test_each_method_trains(chat_model, tmp_path, method):
                    "time/rollout_s", "time/score_s", "time/train_s", "time/optimizer_s"):
         assert metrics[column].notna().all(), column
     assert ("aqn/sigma" in metrics) == (method == "qerl")
+    # Its padded batches attend without a mask (qerl.nn.padded_attention).
+    assert trainer.policy.base_model.config._attn_implementation == "qerl_sdpa"
     assert trainer.state.global_step == 2
     final = tmp_path / "final"
     assert (final / ("model.safetensors" if method == "full" else "adapter_config.json")).is_file()
