@@ -43,12 +43,15 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(liger_swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
+# What a Qwen2/Llama block is, for these ops and for the rollout decoder's kernels.
 def is_rms_norm(module: nn.Module) -> bool:
-    return (type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+    return (type(module).__name__.endswith("RMSNorm")
+            and getattr(module, "variance_epsilon", None) is not None
             and isinstance(getattr(module, "weight", None), torch.Tensor))
 
 
 def is_swiglu_mlp(module: nn.Module) -> bool:
+    # SiLUActivation: transformers' own class (5.x), not a subclass of nn.SiLU.
     return (all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj"))
             and type(getattr(module, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation"))
 

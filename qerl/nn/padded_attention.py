@@ -22,6 +22,7 @@ import weakref
 import torch
 from torch import nn
 from torch.nn import functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "qerl_sdpa"
 
@@ -60,8 +61,6 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
               attention_mask: torch.Tensor | None, dropout: float = 0.0,
               scaling: float | None = None, is_causal: bool | None = None, **kwargs):
     """A transformers attention function (see the module docstring)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     t = query.shape[2]
     shifts = None
     if (attention_mask is not None and attention_mask.dtype == torch.bool

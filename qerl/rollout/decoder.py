@@ -24,6 +24,7 @@ from torch.nn import functional as F
 from qerl.kernels import decode_attention
 from qerl.kernels.rmsnorm import rms_norm
 from qerl.kernels.rotary_cache import reference_rotary_into_cache, rotary_into_cache
+from qerl.nn.liger import is_rms_norm, is_swiglu_mlp
 from qerl.noise import output_in_input_dtype
 from qerl.rollout.projections import project
 
@@ -58,12 +59,10 @@ class KVCache:
 def fused_norm(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
     """(weight, eps) of a Qwen2/Llama RMSNorm that the fused kernel computes exactly as its
     forward does (AQN's output cast is the only hook it reproduces), else None."""
-    eps = getattr(norm, "variance_epsilon", None)
     hooks = [h for h in norm._forward_hooks.values() if h is not output_in_input_dtype]
-    if (not type(norm).__name__.endswith("RMSNorm") or eps is None or hooks
-            or norm._forward_pre_hooks):
+    if not is_rms_norm(norm) or hooks or norm._forward_pre_hooks:
         return None
-    return norm.weight, eps
+    return norm.weight, norm.variance_epsilon
 
 
 class Decoder(nn.Module):
@@ -133,8 +132,7 @@ class Decoder(nn.Module):
         return [out.view(*x.shape[:-1], -1) for out in outs]
 
     def _mlp(self, mlp, x):
-        # SiLUActivation: transformers' own class (5.x), not a subclass of nn.SiLU.
-        if self.fused and type(mlp.act_fn).__name__ in ("SiLU", "SiLUActivation"):
+        if self.fused and is_swiglu_mlp(mlp):
             act = self._project([mlp.gate_proj, mlp.up_proj], x, silu_mul=True)[0]
         else:
             gate, up = self._project([mlp.gate_proj, mlp.up_proj], x)
