@@ -14,9 +14,10 @@
 // weights of each row: the 16 bytes of the pair-interleaved layout, whose 16-row tiles
 // keep a strip's quad in 1 KB of memory) and the 32 activations x[token, 32p .. 32p + 31]
 // that those weights multiply. One 32-bit word of a
-// row's chunk is bytes 4w..4w+3: low nibbles = codes 32p + 4w + {0..3}, high nibbles =
-// codes 32p + 16 + 4w + {0..3}. Two mma steps consume a word of row g and of row g + 8:
-// the codes pair up with the contiguous activation pairs (x words) they multiply.
+// row's chunk holds codes 32p + 4w + {0..3} (L) and 32p + 16 + 4w + {0..3} (H), bytes
+// 4w..4w+3 of the pair layout with their bits shuffled (nvfp4_layout). Two mma steps
+// consume a word of row g and of row g + 8: the codes pair up with the contiguous
+// activation pairs (x words) they multiply.
 //
 // Where the time went (H100, 7B decode launches, ncu and variants that read W or x from
 // one place): not the bytes but the instructions around them and, above 8 rows, x's L1
@@ -25,12 +26,13 @@
 // and above 8 rows x is staged once per block in shared memory (a quad ahead,
 // cp.async) instead of each warp loading it through L1.
 //
-// Decode (per 16-bit pair): a byte spread into the low byte of each half (prmt), its low
-// nibble masked and multiplied by 2^12 + 2^6 puts the sign at bit 15 and the magnitude at
-// bits 6-8 of a bf16 (E2M1 * 2^-126; code 1 lands on a subnormal), the high nibble by
-// 2^8 + 2^2; one packed multiply by the group scale (fp8 -> bf16 * 2^64, exact) gives the
-// exact weight * scale * 2^-62, and the fp32 accumulator is multiplied by 2^62 /
-// global_scale once at the end. fp16 places the magnitude at bits 9-11 (E2M1 * 2^-14).
+// Decode (decode_word): the layout shuffles each word's bits so that its eight codes come
+// out as four 16-bit pairs with one mask, two rotate + mask and one mask + multiply + mask
+// (8 instructions; a byte spread by prmt, then mask + multiply + mask per pair, took 14),
+// each a bf16 E2M1 * 2^-126; one packed multiply by the group scale (fp8 -> bf16 * 2^64,
+// exact) gives the exact weight * scale * 2^-62, and the fp32 accumulator is multiplied by
+// 2^62 / global_scale once at the end. fp16 places the magnitude at bits 9-11 (E2M1 *
+// 2^-14).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -80,16 +82,20 @@ __device__ __forceinline__ void copy_async(uint4* smem, const void* gmem, bool v
                "r"(valid ? 16 : 0));  // 0 bytes read: the 16 are zero-filled
 }
 
+// A word of codes -> four 16-bit pairs (L0 L1, L2 L3, H0 H1, H2 H3; nvfp4_layout's word
+// shuffle): the E2M1 magnitude at bits 6-8 and the sign at bit 15 of each half, a bf16 of
+// value E2M1 * 2^-126 (code 1 lands on a subnormal). fp16 moves the magnitude to bits 9-11
+// (E2M1 * 2^-14).
 template <bool BF16>
-__device__ __forceinline__ uint32_t decode_lo(uint32_t b) {
-  if (BF16) return ((b & 0x000F000Fu) * 4160u) & 0x81C081C0u;
-  return ((b << 9) & 0x0E000E00u) | ((b << 12) & 0x80008000u);
-}
-
-template <bool BF16>
-__device__ __forceinline__ uint32_t decode_hi(uint32_t b) {
-  if (BF16) return ((b & 0x00F000F0u) * 260u) & 0x81C081C0u;
-  return ((b << 5) & 0x0E000E00u) | ((b << 8) & 0x80008000u);
+__device__ __forceinline__ void decode_word(uint32_t w, uint32_t (&d)[4]) {
+  constexpr uint32_t kM = 0x81C081C0u;
+  d[0] = w & kM;
+  d[1] = __funnelshift_l(w, w, 10) & kM;
+  d[2] = __funnelshift_l(w, w, 13) & kM;
+  d[3] = ((w & 0x001B001Bu) * 0x1084u) & kM;  // three shifted copies, no carries
+  if (!BF16)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) d[i] = ((d[i] << 3) & 0x0E000E00u) | (d[i] & 0x80008000u);
 }
 
 template <bool BF16>
@@ -342,15 +348,14 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<MT>())
       }
 #pragma unroll
       for (int w = 2 * e; w < 2 * e + 2; ++w) {
-        const uint32_t b0 = st.w[0].v[w], b1 = st.w[1].v[w];
+        uint32_t d0[4], d1[4];
+        decode_word<BF16>(st.w[0].v[w], d0);
+        decode_word<BF16>(st.w[1].v[w], d1);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const uint32_t sel = h ? 0x4342 : 0x4140;
-          const uint32_t r0 = __byte_perm(b0, 0, sel), r1 = __byte_perm(b1, 0, sel);
-          const uint32_t frag[4] = {mul2<BF16>(decode_lo<BF16>(r0), s_lo[0]),
-                                    mul2<BF16>(decode_lo<BF16>(r1), s_lo[1]),
-                                    mul2<BF16>(decode_hi<BF16>(r0), s_hi[0]),
-                                    mul2<BF16>(decode_hi<BF16>(r1), s_hi[1])};
+          const uint32_t frag[4] = {mul2<BF16>(d0[h], s_lo[0]), mul2<BF16>(d1[h], s_lo[1]),
+                                    mul2<BF16>(d0[2 + h], s_hi[0]),
+                                    mul2<BF16>(d1[2 + h], s_hi[1])};
           const int pair = 2 * (w - 2 * e) + h;  // x pair under the low nibbles
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt)

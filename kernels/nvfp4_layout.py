@@ -21,8 +21,21 @@ which is exactly what one warp of the CUDA kernel reads per step (its 16-row str
 chunks): 512 contiguous bytes per load instruction instead of 64 bytes from each of 8 rows.
 On an H100 that made a 7B layer's matmuls 8% faster at M = 1 (75.4 -> 69.7 us) and 4% at
 M = 16 (kernels/NOTES.md). Rows past N and weights past K (N rounded up to 16, K to 128)
-hold zero codes. The permutation is done once, when a layer is built; it is exact and
-reversible. The scales keep the checkpoint's [N, K/16] layout.
+hold zero codes.
+
+Last, the bits of each 32-bit word (bytes 4w .. 4w + 3 of a chunk, little-endian) are
+shuffled so that the CUDA kernel turns a word into four bf16 pairs with 8 instructions
+instead of 14: its eight codes L0-L3 (low nibbles, weights 32p + 4w + i) and H0-H3 (high
+nibbles, 32p + 16 + 4w + i) sit where
+
+    (L0, L1) = w & M              (L2, L3) = rotl(w, 10) & M
+    (H0, H1) = rotl(w, 13) & M    (H2, H3) = ((w & 0x001B001B) * 0x1084) & M
+
+put each code's magnitude at bits 6-8 and its sign at bit 15 of a 16-bit half (M =
+0x81C081C0: the E2M1 value * 2^-126 as bf16). A search over rotations, byte permutes and
+multiply-by-shifted-copies found no cheaper cover of the word. ``word_bytes`` undoes the
+shuffle where a kernel decodes bytes. The permutation is done once, when a layer is built;
+it is exact and reversible. The scales keep the checkpoint's [N, K/16] layout.
 """
 
 from __future__ import annotations
@@ -35,6 +48,39 @@ from qerl.formats import nvfp4
 PAIR = 2 * nvfp4.GROUP_SIZE  # weights per 16-byte chunk
 TILE_ROWS = 16  # rows of a tile
 TILE_WEIGHTS = 4 * PAIR  # weights of a row in a tile (four chunks, 64 bytes)
+
+# Bit positions in a word of codes L0, L1, L2, L3, H0, H1, H2, H3, each as (mantissa,
+# exponent low, exponent high, sign): the decode above reads them from there.
+WORD_BITS = ((6, 7, 8, 15), (22, 23, 24, 31), (28, 29, 30, 5), (12, 13, 14, 21),
+             (25, 26, 27, 2), (9, 10, 11, 18), (4, 0, 1, 3), (20, 16, 17, 19))
+
+
+def _moves(to_word: bool) -> tuple[tuple[int, int], ...]:
+    """The shuffle (or its inverse) as (mask, left rotation) pairs, one per distance moved:
+    the bits of ``mask`` all move by the same rotation."""
+    moves: dict[int, int] = {}
+    for code, bits in enumerate(WORD_BITS):
+        byte, nibble = code % 4, code // 4  # L_b and H_b share byte b
+        for bit, new in enumerate(bits):
+            old = 8 * byte + 4 * nibble + bit
+            src, dst = (old, new) if to_word else (new, old)
+            moves[(dst - src) % 32] = moves.get((dst - src) % 32, 0) | 1 << src
+    return tuple((mask, shift) for shift, mask in sorted(moves.items()))
+
+
+TO_WORD, FROM_WORD = _moves(True), _moves(False)
+
+
+def _permute_words(packed: torch.Tensor, moves: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """Each 32-bit word of a contiguous uint8 tensor (last dim a multiple of 4) moved bit by
+    bit: the OR of its ``mask`` bits rotated left by ``shift``, over ``moves``."""
+    words = packed.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    out = torch.zeros_like(words)
+    for mask, shift in moves:
+        bits = words & mask
+        out |= ((bits << shift) | (bits >> (32 - shift))) & 0xFFFFFFFF
+    out = torch.where(out >= 1 << 31, out - (1 << 32), out)  # as int32's two's complement
+    return out.to(torch.int32).view(torch.uint8)
 
 
 def tiles_shape(n: int, k: int) -> tuple[int, int, int, int]:
@@ -51,14 +97,16 @@ def to_pairs(packed: torch.Tensor) -> torch.Tensor:
                                             0, row_tiles * rows - n))
     halves = codes.reshape(row_tiles * rows, -1, 2, nvfp4.GROUP_SIZE)
     pairs = halves[:, :, 0] | (halves[:, :, 1] << 4)
-    return pairs.reshape(row_tiles, rows, quads, width).transpose(1, 2).contiguous()
+    tiles = pairs.reshape(row_tiles, rows, quads, width).transpose(1, 2).contiguous()
+    return _permute_words(tiles, TO_WORD)
 
 
 def from_pairs(tiles: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """pair-interleaved tiles -> compressed-tensors packing [N, K/2]."""
     check_pairs_shape(tiles, n, k)
     row_tiles, quads, rows, width = tiles.shape
-    pairs = tiles.transpose(1, 2).reshape(row_tiles * rows, quads * width)[:n]
+    pairs = _permute_words(tiles, FROM_WORD).transpose(1, 2)
+    pairs = pairs.reshape(row_tiles * rows, quads * width)[:n]
     chunks = pairs.reshape(n, -1, 1, nvfp4.GROUP_SIZE)
     codes = torch.cat((chunks & 0xF, chunks >> 4), dim=2).reshape(n, -1)[:, :k]
     return nvfp4.pack(codes)

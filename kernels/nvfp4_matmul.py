@@ -2,8 +2,11 @@
 
 The weight comes pair-interleaved (``nvfp4_layout``): the low nibbles of each 16-byte chunk
 are one group of 16 weights and the high nibbles the next, so a chunk decodes elementwise
-into two tensor-core operands of K = 16 with one scale each. Triton stages the packed bytes
-through shared memory and decodes them already in the mma operand layout.
+into two tensor-core operands of K = 16 with one scale each. Triton stages the packed words
+through shared memory, undoes the layout's bit shuffle within each word (made for the CUDA
+kernel's decode: two instructions a move here, ~28 a word, which made the fused forward
+~2x slower at M = 16 on an H100 and the dequantize ~15%) and decodes the bytes already in
+the mma operand layout.
 
 Decoding (inline PTX, four bytes per call): a code's three magnitude bits shifted into the
 exponent/mantissa of a 16-bit float, its sign into bit 15, give E2M1 * 2^-126 as bf16 (code
@@ -105,10 +108,53 @@ def _all_below(like, value, limit):
 
 
 @triton.jit
-def _chunk_offsets(n, p, j, stride_pt):
-    """Byte offsets of bytes j of chunk p of rows n in the tiled layout (nvfp4_layout):
-    tile (n // 16, p // 4) of 16 rows x 64 bytes, row n % 16, bytes 16 (p % 4) + j."""
-    return (n // 16) * stride_pt + (p // 4) * 1024 + (n % 16) * 64 + (p % 4) * 16 + j
+def _chunk_words(n, p, w, stride_pt):
+    """Word offsets (int32 units) of words w of chunk p of rows n in the tiled layout
+    (nvfp4_layout): tile (n // 16, p // 4) of 16 rows x 16 words, row n % 16, words
+    4 (p % 4) + w; ``stride_pt`` is the words from one row tile to the next."""
+    return (n // 16) * stride_pt + (p // 4) * 256 + (n % 16) * 16 + (p % 4) * 4 + w
+
+
+def _unshuffle_asm() -> str:
+    """PTX: a stored word ($1) -> the pair layout's word ($0), two instructions a move of
+    nvfp4_layout.FROM_WORD: rotate the word, then OR in the rotated mask's bits."""
+    lines = ["{", ".reg .b32 r, o;"]
+    for i, (mask, shift) in enumerate(layout.FROM_WORD):
+        moved = ((mask << shift) | (mask >> (32 - shift))) & 0xFFFFFFFF
+        lines.append(f"shf.l.wrap.b32 r, $1, $1, {shift};")
+        lines.append(f"and.b32 o, r, {moved:#010x};" if i == 0
+                     else f"lop3.b32 o, o, r, {moved:#010x}, 0xF8;")  # o | (r & moved)
+    return " ".join([*lines, "mov.b32 $0, o;", "}"])
+
+
+UNSHUFFLE = tl.constexpr(_unshuffle_asm())
+
+
+@triton.jit
+def _rotl(x, s: tl.constexpr):
+    return (x << s) | (x >> (32 - s))
+
+
+@triton.jit
+def _pair_bytes(words, ASM: tl.constexpr):
+    """Words [R, 4] as stored (int32; each one's bits shuffled, nvfp4_layout) -> the
+    chunk's 16 bytes [R, 16] of the pair layout (byte j: code j low, code 16 + j high),
+    which these kernels decode: the moves of nvfp4_layout.FROM_WORD, as PTX or, in the
+    interpreter, spelled out (the kernels' tests against the reference hold both to it)."""
+    if ASM:
+        u = tl.inline_asm_elementwise(UNSHUFFLE, "=r,r", [words], dtype=tl.int32,
+                                      is_pure=True, pack=1).to(tl.uint32, bitcast=True)
+    else:
+        w = words.to(tl.uint32, bitcast=True)
+        u = (_rotl(w & 0x00000E00, 3) | _rotl(w & 0x00000004, 5) | _rotl(w & 0x00200000, 6)
+             | _rotl(w & 0x00100000, 8) | _rotl(w & 0x0E000000, 11)
+             | _rotl(w & 0x80087000, 12) | _rotl(w & 0x00030000, 13)
+             | _rotl(w & 0x00000020, 14) | _rotl(w & 0x00000010, 16)
+             | _rotl(w & 0x01C00000, 18) | _rotl(w & 0x70008008, 20)
+             | _rotl(w & 0x00000003, 21) | _rotl(w & 0x000001C0, 26)
+             | _rotl(w & 0x00040000, 29))
+    b = (u[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF
+    return tl.reshape(b.to(tl.uint8), (words.shape[0], 16))
 
 
 @triton.jit
@@ -120,7 +166,7 @@ def _split_range(chunks, SPLIT_K: tl.constexpr):
 
 @triton.jit
 def nvfp4_fwd_kernel(
-    x_ptr, pairs_ptr, scale_ptr, global_scale_ptr, bias_ptr, out_ptr,
+    x_ptr, words_ptr, scale_ptr, global_scale_ptr, bias_ptr, out_ptr,
     M, N, K,
     stride_xm, stride_pt, stride_sn, stride_os, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr, BF16: tl.constexpr,
@@ -132,6 +178,7 @@ def nvfp4_fwd_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     j = tl.arange(0, 16)
+    w = tl.arange(0, 4)
     n_ok = offs_n < N
     x_ok = rows[:, None] < M
     groups = K // 16
@@ -142,19 +189,19 @@ def nvfp4_fwd_kernel(
             p = c * PAIRS + i
             k_lo = p * 32 + j
             if EVEN_K:
-                b_ok = n_ok[:, None]
+                w_ok = n_ok[:, None]
                 s_lo_ok = n_ok
                 s_hi_ok = n_ok
                 x_lo_ok = x_ok
                 x_hi_ok = x_ok
             else:  # a chunk past the end, or the padded half of the last one, reads zeros
-                b_ok = n_ok[:, None] & (k_lo[None, :] < K)
+                w_ok = n_ok[:, None] & (p * 32 + 4 * w[None, :] < K)
                 s_lo_ok = n_ok & _all_below(offs_n, 2 * p, groups)
                 s_hi_ok = n_ok & _all_below(offs_n, 2 * p + 1, groups)
                 x_lo_ok = x_ok & (k_lo[None, :] < K)
                 x_hi_ok = x_ok & (k_lo[None, :] + 16 < K)
-            b = tl.load(pairs_ptr + _chunk_offsets(offs_n[:, None], p, j[None, :], stride_pt),
-                        mask=b_ok, other=0)
+            b = _pair_bytes(tl.load(words_ptr + _chunk_words(offs_n[:, None], p, w[None, :],
+                                                             stride_pt), mask=w_ok, other=0), ASM)
             s_lo = tl.load(scale_ptr + offs_n * stride_sn + 2 * p, mask=s_lo_ok, other=0.0)
             s_hi = tl.load(scale_ptr + offs_n * stride_sn + 2 * p + 1, mask=s_hi_ok, other=0.0)
             x_row = x_ptr + rows[:, None] * stride_xm + k_lo[None, :]
@@ -176,7 +223,7 @@ def nvfp4_fwd_kernel(
 
 @triton.jit
 def nvfp4_bwd_kernel(
-    dy_ptr, pairs_ptr, scale_ptr, global_scale_ptr, out_ptr,
+    dy_ptr, words_ptr, scale_ptr, global_scale_ptr, out_ptr,
     M, N, K,
     stride_dym, stride_pt, stride_sn, stride_os, stride_om,
     SPLIT_K: tl.constexpr, ASM: tl.constexpr, BF16: tl.constexpr, PRE: tl.constexpr,
@@ -187,6 +234,7 @@ def nvfp4_bwd_kernel(
     p = tl.program_id(0)
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     j = tl.arange(0, 16)
+    w = tl.arange(0, 4)
     x_ok = rows[:, None] < M
     start, stop = _split_range(tl.cdiv(N, BLOCK_N), SPLIT_K)
     acc_lo = tl.zeros((BLOCK_M, 16), dtype=tl.float32)
@@ -194,8 +242,8 @@ def nvfp4_bwd_kernel(
     for c in range(start, stop):
         n = c * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
-        b = tl.load(pairs_ptr + _chunk_offsets(n[:, None], p, j[None, :], stride_pt),
-                    mask=n_ok[:, None], other=0)
+        b = _pair_bytes(tl.load(words_ptr + _chunk_words(n[:, None], p, w[None, :], stride_pt),
+                                mask=n_ok[:, None], other=0), ASM)
         s_lo = tl.load(scale_ptr + n * stride_sn + 2 * p, mask=n_ok, other=0.0)
         s_hi = tl.load(scale_ptr + n * stride_sn + 2 * p + 1,
                        mask=n_ok & _all_below(n, 2 * p + 1, K // 16), other=0.0)
@@ -214,20 +262,23 @@ def nvfp4_bwd_kernel(
 
 
 @triton.jit
-def nvfp4_dequant_kernel(pairs_ptr, scale_ptr, global_scale_ptr, out_ptr, N, K,
+def nvfp4_dequant_kernel(words_ptr, scale_ptr, global_scale_ptr, out_ptr, N, K,
                          stride_pt, stride_sn, stride_on,
-                         BLOCK_N: tl.constexpr, PAIRS: tl.constexpr):
+                         BLOCK_N: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr):
     """out[N, K] = deq(W) in out's dtype, bit for bit as nvfp4.dequantize: each weight is
     E2M1 * (scale / global_scale) in fp32, rounded once."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     p = tl.program_id(1) * PAIRS + tl.arange(0, PAIRS)
     j = tl.arange(0, 16)
+    w = tl.arange(0, 4)
     rows_ok = (offs_n < N)[:, None]
     n_ok = rows_ok[:, :, None]
     groups = K // 16
-    b = tl.load(pairs_ptr + _chunk_offsets(offs_n[:, None, None], p[None, :, None],
-                                           j[None, None, :], stride_pt),
-                mask=n_ok & (2 * p < groups)[None, :, None], other=0)
+    words = tl.load(words_ptr + _chunk_words(offs_n[:, None, None], p[None, :, None],
+                                             w[None, None, :], stride_pt),
+                    mask=n_ok & (2 * p < groups)[None, :, None], other=0)
+    b = tl.reshape(_pair_bytes(tl.reshape(words, (BLOCK_N * PAIRS, 4)), ASM),
+                   (BLOCK_N, PAIRS, 16))
     s_ptr = scale_ptr + offs_n[:, None] * stride_sn + 2 * p[None, :]
     s_lo = tl.load(s_ptr, mask=rows_ok & (2 * p < groups)[None, :], other=0.0)
     s_hi = tl.load(s_ptr + 1, mask=rows_ok & (2 * p + 1 < groups)[None, :], other=0.0)
@@ -341,19 +392,20 @@ def _fused(op: str, a2, n: int, k: int, pairs, scale, global_scale, bias=None):
     cols = n if op == "fwd" else k
     out_dtype = torch.float32 if cfg.split_k > 1 else a2.dtype
     out = torch.empty((cfg.split_k, m, cols), dtype=out_dtype, device=a2.device)
-    strides = (a2.stride(0), pairs.stride(0), scale.stride(0), out.stride(0), out.stride(1))
+    words = pairs.view(torch.int32)
+    strides = (a2.stride(0), words.stride(0), scale.stride(0), out.stride(0), out.stride(1))
     meta = {**_kernel_flags(a2.dtype), "SPLIT_K": cfg.split_k, "BLOCK_M": cfg.block_m,
             "BLOCK_N": cfg.block_c, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     m_tiles = triton.cdiv(m, cfg.block_m)
     if op == "fwd":
         grid = (triton.cdiv(n, cfg.block_c), cfg.split_k, m_tiles)
-        nvfp4_fwd_kernel[grid](a2, pairs, scale, global_scale,
+        nvfp4_fwd_kernel[grid](a2, words, scale, global_scale,
                                bias if bias is not None else global_scale, out, m, n, k,
                                *strides, HAS_BIAS=bias is not None, PAIRS=cfg.pairs,
                                EVEN_K=k % (32 * cfg.pairs) == 0, **meta)
     else:
         grid = (triton.cdiv(k, 32), cfg.split_k, m_tiles)
-        nvfp4_bwd_kernel[grid](a2, pairs, scale, global_scale, out, m, n, k, *strides, **meta)
+        nvfp4_bwd_kernel[grid](a2, words, scale, global_scale, out, m, n, k, *strides, **meta)
     return out
 
 
@@ -368,9 +420,10 @@ def dequantize(pairs: torch.Tensor, scale: torch.Tensor, global_scale: torch.Ten
     out = torch.empty((n, k), dtype=dtype, device=pairs.device)
     block_n, chunk_pairs = 32, 8
     grid = (triton.cdiv(n, block_n), triton.cdiv(k, 32 * chunk_pairs))
-    nvfp4_dequant_kernel[grid](pairs, scale, global_scale, out, n, k, pairs.stride(0),
+    words = pairs.view(torch.int32)
+    nvfp4_dequant_kernel[grid](words, scale, global_scale, out, n, k, words.stride(0),
                                scale.stride(0), out.stride(0), BLOCK_N=block_n,
-                               PAIRS=chunk_pairs, num_warps=4)
+                               PAIRS=chunk_pairs, ASM=not interpreting(), num_warps=4)
     return out
 
 

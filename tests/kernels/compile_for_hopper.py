@@ -20,10 +20,10 @@ from triton.compiler import ASTSource
 
 from qerl.kernels import nvfp4_matmul as km
 
-POINTERS = {"fwd": ("x_ptr", "pairs_ptr", "scale_ptr", "global_scale_ptr", "bias_ptr",
+POINTERS = {"fwd": ("x_ptr", "words_ptr", "scale_ptr", "global_scale_ptr", "bias_ptr",
                     "out_ptr"),
-            "bwd": ("dy_ptr", "pairs_ptr", "scale_ptr", "global_scale_ptr", "out_ptr")}
-TYPES = {"pairs_ptr": "*u8", "scale_ptr": "*fp8e4nv", "global_scale_ptr": "*fp32",
+            "bwd": ("dy_ptr", "words_ptr", "scale_ptr", "global_scale_ptr", "out_ptr")}
+TYPES = {"words_ptr": "*i32", "scale_ptr": "*fp8e4nv", "global_scale_ptr": "*fp32",
          "out_ptr": "*fp32"}
 SCALARS = {"fwd": ("M", "N", "K", "stride_xm", "stride_pt", "stride_sn", "stride_os",
                    "stride_om"),
