@@ -3,20 +3,25 @@
 The weight comes pair-interleaved (``nvfp4_layout``): the low nibbles of each 16-byte chunk
 are one group of 16 weights and the high nibbles the next, so a chunk decodes elementwise
 into two tensor-core operands of K = 16 with one scale each. Triton stages the packed words
-through shared memory, undoes the layout's bit shuffle within each word (made for the CUDA
-kernel's decode: two instructions a move here, ~28 a word, which made the fused forward
-~2x slower at M = 16 on an H100 and the dequantize ~15%) and decodes the bytes already in
-the mma operand layout.
+through shared memory and decodes each word as the CUDA kernel does (the layout shuffles its
+bits for that decode), already in the mma operand layout: a word holds four consecutive k of
+each group, which is what one thread holds of a 16-bit operand (kWidth = 4), so the forward
+assembles its operands in registers. Undoing the shuffle and decoding bytes, as these kernels
+first did, made the fused forward ~2x slower at M = 16 on an H100 and the dequantize ~15%;
+for sm_90 the M = 16 launches compile to 735 (forward) and 719 (backward) SASS instructions
+with this decode, 1031 and 2177 undoing the shuffle, 815 and 1082 before the shuffle.
 
-Decoding (inline PTX, four bytes per call): a code's three magnitude bits shifted into the
-exponent/mantissa of a 16-bit float, its sign into bit 15, give E2M1 * 2^-126 as bf16 (code
-1 lands on a subnormal) or E2M1 * 2^-14 as fp16; one packed multiply by the group scale
-(times 2^64 for bf16) makes the weight * scale exactly (both have few significant bits), and
-the fp32 accumulator is multiplied once by 2^62 / global_scale (2^14 for fp16) at the end.
-So the products are exact and the weight is never rounded to 16 bits before the sum: the
-result equals the float64 reference to fp32 accumulation error. Triton's CPU interpreter
+Decoding (inline PTX, one word per call): the word masked, rotated or spread by a multiply
+leaves four pairs of codes, each code's three magnitude bits in the exponent/mantissa of a
+16-bit float and its sign in bit 15: E2M1 * 2^-126 as bf16 (code 1 lands on a subnormal) or,
+shifted up three bits, E2M1 * 2^-14 as fp16; one packed multiply by the group scale (times
+2^64 for bf16) makes the weight * scale exactly (both have few significant bits), and the
+fp32 accumulator is multiplied once by 2^62 / global_scale (2^14 for fp16) at the end. So
+the products are exact and the weight is never rounded to 16 bits before the sum: the result
+equals the float64 reference to fp32 accumulation error. Triton's CPU interpreter
 (TRITON_INTERPRET=1, how CI runs these kernels) has no inline PTX and computes bf16 tl.dot
-wrongly, so there (``ASM`` False) the same loop decodes in fp32 arithmetic.
+wrongly, so there (``ASM`` False) the same loop decodes in Triton's integer ops and fp32
+arithmetic, as the dequantize kernel always does.
 
 Paths by M (rows of activations), from H200 and H100 sweeps (kernels/NOTES.md): on a GPU
 the CUDA kernel (nvfp4_gemv.cu) up to CUDA_MAX_M, where it builds; the fused Triton kernels
@@ -46,57 +51,101 @@ MAX_SPLIT_K = 16  # so that a consumer can sum the partials unrolled (lora_decod
 E2M1_AS_FP16_UNSCALE = tl.constexpr(16384.0)
 
 
-def _decode_asm(mag_mask: int, lo_shift: int, hi_shift: int, mul: str) -> str:
-    """PTX: 4 bytes ($4) -> low nibbles ($0, $1) and high nibbles ($2, $3) as 16-bit pairs,
-    each multiplied by its scale pair ($5, $6 and $7, $8). prmt spreads bytes 0-1 and 2-3
-    into the low byte of each 16-bit half; the sign bit (3 or 7) goes to bit 15."""
-    lines = ["{", ".reg .b32 t0, t1, a, c;",
-             "prmt.b32 t0, $4, 0, 0x4140;", "prmt.b32 t1, $4, 0, 0x4342;"]
-    for out, src, mag_shift, sign_shift in ((0, "t0", lo_shift, 12), (1, "t1", lo_shift, 12),
-                                            (2, "t0", hi_shift, 8), (3, "t1", hi_shift, 8)):
-        lines += [f"shl.b32 a, {src}, {mag_shift};", f"and.b32 a, a, {mag_mask:#010x};",
-                  f"shl.b32 c, {src}, {sign_shift};", "and.b32 c, c, 0x80008000;",
-                  "or.b32 a, a, c;", f"{mul} ${out}, a, ${5 + out};"]
+# The decode's mask (nvfp4_layout): in each 16-bit half a code's magnitude at bits 6-8 and
+# its sign at bit 15, E2M1 * 2^-126 as bf16.
+CODE_BITS = tl.constexpr(0x81C081C0)
+
+
+def _decode_asm(fp16: bool) -> str:
+    """PTX: a stored word ($8) -> its codes L0-L3 ($0-$3) times the scale $9 and H0-H3
+    ($4-$7) times $10, as 16-bit floats: the CUDA kernel's decode into four pairs (8
+    instructions), then one packed multiply a pair. fp16 first moves each magnitude up to
+    bits 9-11: d * 9 = d | d << 3 (their bits are disjoint), then an AND keeps the
+    magnitude from d << 3 and the sign from d."""
+    mask = f"{CODE_BITS.value:#010x}"
+    mul = "mul.rn.f16x2" if fp16 else "mul.rn.bf16x2"
+    lines = ["{", ".reg .b32 d0, d1, d2, d3, s0, s1;",
+             "mov.b32 s0, {$9, $9};", "mov.b32 s1, {$10, $10};",
+             f"and.b32 d0, $8, {mask};",
+             "shf.l.wrap.b32 d1, $8, $8, 10;", f"and.b32 d1, d1, {mask};",
+             "shf.l.wrap.b32 d2, $8, $8, 13;", f"and.b32 d2, d2, {mask};",
+             "and.b32 d3, $8, 0x001B001B;", "mul.lo.u32 d3, d3, 0x1084;",
+             f"and.b32 d3, d3, {mask};"]
+    for i in range(4):
+        if fp16:
+            lines += [f"mul.lo.u32 d{i}, d{i}, 9;", f"and.b32 d{i}, d{i}, 0x8E008E00;"]
+        lines += [f"{mul} d{i}, d{i}, s{i // 2};", f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, d{i};"]
     # One line: torch.compile re-emits user Triton kernels as source, where a multi-line
     # string constant breaks.
     return " ".join([*lines, "}"])
 
 
-# Magnitude bits at 6-8 (bf16: 2 exponent bits + 1 mantissa bit) or 9-11 (fp16).
-DECODE_BF16 = tl.constexpr(_decode_asm(0x01C001C0, 6, 2, "mul.rn.bf16x2"))
-DECODE_FP16 = tl.constexpr(_decode_asm(0x0E000E00, 9, 5, "mul.rn.f16x2"))
-CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,r,r,r,r,r")
+DECODE_BF16 = tl.constexpr(_decode_asm(fp16=False))
+DECODE_FP16 = tl.constexpr(_decode_asm(fp16=True))
+CONSTRAINTS = tl.constexpr(",".join(["=h"] * 8 + ["r", "h", "h"]))
 # Scale pre-factor and accumulator post-factor per dtype (see the module docstring).
 SCALE_FACTORS = {torch.bfloat16: (2.0 ** 64, 2.0 ** 62), torch.float16: (1.0, 2.0 ** 14)}
 
 
 @triton.jit
-def _e2m1(code):
-    """E2M1 codes (u8, low 4 bits) -> fp32 values: the fp16 bit placement, rescaled."""
-    bits = ((code & 7).to(tl.int16) << 9) | ((code & 8).to(tl.int16) << 12)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32) * E2M1_AS_FP16_UNSCALE
+def _rotl(x, s: tl.constexpr):
+    return (x << s) | (x >> (32 - s))
 
 
 @triton.jit
-def _scaled_halves(b, s_lo, s_hi, ASM: tl.constexpr, BF16: tl.constexpr, PRE: tl.constexpr):
-    """Packed bytes b [R, C] and fp8 scales broadcastable to it -> (low nibbles * s_lo,
-    high nibbles * s_hi): 16-bit (x's dtype) by PTX, or fp32 under the interpreter."""
+def _half_value(half):
+    """A 16-bit half of a decoded pair (u32, low 16 bits) -> its E2M1 value, fp32: moved to
+    fp16's placement (magnitude at 9-11: E2M1 * 2^-14, exact) and rescaled."""
+    bits = ((half << 3) & 0x0E00) | (half & 0x8000)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * E2M1_AS_FP16_UNSCALE
+
+
+@triton.jit
+def _k_order(c0, c1, c2, c3):
+    """Codes i = 0-3 of words [R, 4] -> [R, 16] in k order (k = 4 w + i)."""
+    return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (c0.shape[0], 16))
+
+
+@triton.jit
+def _group_values(words):
+    """Words [R, 4] as stored (int32) -> the E2M1 values (fp32) of the chunk's two groups
+    [R, 16] each: the decode of _decode_asm in Triton's integer ops, a half at a time."""
+    w = words.to(tl.uint32, bitcast=True)
+    l01 = w & CODE_BITS
+    l23 = _rotl(w, 10) & CODE_BITS
+    h01 = _rotl(w, 13) & CODE_BITS
+    h23 = ((w & 0x001B001B) * 0x1084) & CODE_BITS
+    lo = _k_order(_half_value(l01 & 0xFFFF), _half_value(l01 >> 16),
+                  _half_value(l23 & 0xFFFF), _half_value(l23 >> 16))
+    hi = _k_order(_half_value(h01 & 0xFFFF), _half_value(h01 >> 16),
+                  _half_value(h23 & 0xFFFF), _half_value(h23 >> 16))
+    return lo, hi
+
+
+@triton.jit
+def _scaled_groups(words, s_lo, s_hi, ASM: tl.constexpr, BF16: tl.constexpr,
+                   PRE: tl.constexpr):
+    """Words [R, 4] as stored and fp8 scales [R] -> (low group * s_lo, high group * s_hi),
+    [R, 16] each in k order: 16-bit (x's dtype) by PTX, or fp32 under the interpreter."""
     if ASM:
         if BF16:
-            s_lo = tl.broadcast_to((s_lo.to(tl.float32) * PRE).to(tl.bfloat16), b.shape)
-            s_hi = tl.broadcast_to((s_hi.to(tl.float32) * PRE).to(tl.bfloat16), b.shape)
-            lo, hi = tl.inline_asm_elementwise(DECODE_BF16, CONSTRAINTS, [b, s_lo, s_hi],
-                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
-                                               pack=4)
+            s_lo = tl.broadcast_to((s_lo.to(tl.float32) * PRE).to(tl.bfloat16)[:, None],
+                                   words.shape)
+            s_hi = tl.broadcast_to((s_hi.to(tl.float32) * PRE).to(tl.bfloat16)[:, None],
+                                   words.shape)
+            c = tl.inline_asm_elementwise(DECODE_BF16, CONSTRAINTS, [words, s_lo, s_hi],
+                                          dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
         else:
-            s_lo = tl.broadcast_to(s_lo.to(tl.float16), b.shape)
-            s_hi = tl.broadcast_to(s_hi.to(tl.float16), b.shape)
-            lo, hi = tl.inline_asm_elementwise(DECODE_FP16, CONSTRAINTS, [b, s_lo, s_hi],
-                                               dtype=(tl.float16, tl.float16), is_pure=True,
-                                               pack=4)
+            s_lo = tl.broadcast_to(s_lo.to(tl.float16)[:, None], words.shape)
+            s_hi = tl.broadcast_to(s_hi.to(tl.float16)[:, None], words.shape)
+            c = tl.inline_asm_elementwise(DECODE_FP16, CONSTRAINTS, [words, s_lo, s_hi],
+                                          dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        lo = _k_order(c[0], c[1], c[2], c[3])
+        hi = _k_order(c[4], c[5], c[6], c[7])
     else:
-        lo = _e2m1(b & 0xF) * s_lo.to(tl.float32)
-        hi = _e2m1(b >> 4) * s_hi.to(tl.float32)
+        lo, hi = _group_values(words)
+        lo = lo * s_lo.to(tl.float32)[:, None]
+        hi = hi * s_hi.to(tl.float32)[:, None]
     return lo, hi
 
 
@@ -113,48 +162,6 @@ def _chunk_words(n, p, w, stride_pt):
     (nvfp4_layout): tile (n // 16, p // 4) of 16 rows x 16 words, row n % 16, words
     4 (p % 4) + w; ``stride_pt`` is the words from one row tile to the next."""
     return (n // 16) * stride_pt + (p // 4) * 256 + (n % 16) * 16 + (p % 4) * 4 + w
-
-
-def _unshuffle_asm() -> str:
-    """PTX: a stored word ($1) -> the pair layout's word ($0), two instructions a move of
-    nvfp4_layout.FROM_WORD: rotate the word, then OR in the rotated mask's bits."""
-    lines = ["{", ".reg .b32 r, o;"]
-    for i, (mask, shift) in enumerate(layout.FROM_WORD):
-        moved = ((mask << shift) | (mask >> (32 - shift))) & 0xFFFFFFFF
-        lines.append(f"shf.l.wrap.b32 r, $1, $1, {shift};")
-        lines.append(f"and.b32 o, r, {moved:#010x};" if i == 0
-                     else f"lop3.b32 o, o, r, {moved:#010x}, 0xF8;")  # o | (r & moved)
-    return " ".join([*lines, "mov.b32 $0, o;", "}"])
-
-
-UNSHUFFLE = tl.constexpr(_unshuffle_asm())
-
-
-@triton.jit
-def _rotl(x, s: tl.constexpr):
-    return (x << s) | (x >> (32 - s))
-
-
-@triton.jit
-def _pair_bytes(words, ASM: tl.constexpr):
-    """Words [R, 4] as stored (int32; each one's bits shuffled, nvfp4_layout) -> the
-    chunk's 16 bytes [R, 16] of the pair layout (byte j: code j low, code 16 + j high),
-    which these kernels decode: the moves of nvfp4_layout.FROM_WORD, as PTX or, in the
-    interpreter, spelled out (the kernels' tests against the reference hold both to it)."""
-    if ASM:
-        u = tl.inline_asm_elementwise(UNSHUFFLE, "=r,r", [words], dtype=tl.int32,
-                                      is_pure=True, pack=1).to(tl.uint32, bitcast=True)
-    else:
-        w = words.to(tl.uint32, bitcast=True)
-        u = (_rotl(w & 0x00000E00, 3) | _rotl(w & 0x00000004, 5) | _rotl(w & 0x00200000, 6)
-             | _rotl(w & 0x00100000, 8) | _rotl(w & 0x0E000000, 11)
-             | _rotl(w & 0x80087000, 12) | _rotl(w & 0x00030000, 13)
-             | _rotl(w & 0x00000020, 14) | _rotl(w & 0x00000010, 16)
-             | _rotl(w & 0x01C00000, 18) | _rotl(w & 0x70008008, 20)
-             | _rotl(w & 0x00000003, 21) | _rotl(w & 0x000001C0, 26)
-             | _rotl(w & 0x00040000, 29))
-    b = (u[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF
-    return tl.reshape(b.to(tl.uint8), (words.shape[0], 16))
 
 
 @triton.jit
@@ -200,19 +207,19 @@ def nvfp4_fwd_kernel(
                 s_hi_ok = n_ok & _all_below(offs_n, 2 * p + 1, groups)
                 x_lo_ok = x_ok & (k_lo[None, :] < K)
                 x_hi_ok = x_ok & (k_lo[None, :] + 16 < K)
-            b = _pair_bytes(tl.load(words_ptr + _chunk_words(offs_n[:, None], p, w[None, :],
-                                                             stride_pt), mask=w_ok, other=0), ASM)
+            words = tl.load(words_ptr + _chunk_words(offs_n[:, None], p, w[None, :], stride_pt),
+                            mask=w_ok, other=0)
             s_lo = tl.load(scale_ptr + offs_n * stride_sn + 2 * p, mask=s_lo_ok, other=0.0)
             s_hi = tl.load(scale_ptr + offs_n * stride_sn + 2 * p + 1, mask=s_hi_ok, other=0.0)
             x_row = x_ptr + rows[:, None] * stride_xm + k_lo[None, :]
             x_lo = tl.load(x_row, mask=x_lo_ok, other=0.0)
             x_hi = tl.load(x_row + 16, mask=x_hi_ok, other=0.0)
-            w_lo, w_hi = _scaled_halves(tl.trans(b), s_lo[None, :], s_hi[None, :], ASM, BF16, PRE)
+            w_lo, w_hi = _scaled_groups(words, s_lo, s_hi, ASM, BF16, PRE)
             if not ASM:
                 x_lo = x_lo.to(tl.float32)
                 x_hi = x_hi.to(tl.float32)
-            acc = tl.dot(x_lo, w_lo, acc)
-            acc = tl.dot(x_hi, w_hi, acc)
+            acc = tl.dot(x_lo, tl.trans(w_lo), acc)
+            acc = tl.dot(x_hi, tl.trans(w_hi), acc)
     acc = acc * (POST / tl.load(global_scale_ptr))
     if HAS_BIAS:  # noqa: SIM102 (a constexpr test: Triton compiles the branch away)
         if tl.program_id(1) == 0:
@@ -242,14 +249,14 @@ def nvfp4_bwd_kernel(
     for c in range(start, stop):
         n = c * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
-        b = _pair_bytes(tl.load(words_ptr + _chunk_words(n[:, None], p, w[None, :], stride_pt),
-                                mask=n_ok[:, None], other=0), ASM)
+        words = tl.load(words_ptr + _chunk_words(n[:, None], p, w[None, :], stride_pt),
+                        mask=n_ok[:, None], other=0)
         s_lo = tl.load(scale_ptr + n * stride_sn + 2 * p, mask=n_ok, other=0.0)
         s_hi = tl.load(scale_ptr + n * stride_sn + 2 * p + 1,
                        mask=n_ok & _all_below(n, 2 * p + 1, K // 16), other=0.0)
         dy = tl.load(dy_ptr + rows[:, None] * stride_dym + n[None, :],
                      mask=x_ok & n_ok[None, :], other=0.0)
-        w_lo, w_hi = _scaled_halves(b, s_lo[:, None], s_hi[:, None], ASM, BF16, PRE)
+        w_lo, w_hi = _scaled_groups(words, s_lo, s_hi, ASM, BF16, PRE)
         if not ASM:
             dy = dy.to(tl.float32)
         acc_lo = tl.dot(dy, w_lo, acc_lo)
@@ -264,7 +271,7 @@ def nvfp4_bwd_kernel(
 @triton.jit
 def nvfp4_dequant_kernel(words_ptr, scale_ptr, global_scale_ptr, out_ptr, N, K,
                          stride_pt, stride_sn, stride_on,
-                         BLOCK_N: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr):
+                         BLOCK_N: tl.constexpr, PAIRS: tl.constexpr):
     """out[N, K] = deq(W) in out's dtype, bit for bit as nvfp4.dequantize: each weight is
     E2M1 * (scale / global_scale) in fp32, rounded once."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -277,15 +284,16 @@ def nvfp4_dequant_kernel(words_ptr, scale_ptr, global_scale_ptr, out_ptr, N, K,
     words = tl.load(words_ptr + _chunk_words(offs_n[:, None, None], p[None, :, None],
                                              w[None, None, :], stride_pt),
                     mask=n_ok & (2 * p < groups)[None, :, None], other=0)
-    b = tl.reshape(_pair_bytes(tl.reshape(words, (BLOCK_N * PAIRS, 4)), ASM),
-                   (BLOCK_N, PAIRS, 16))
+    lo, hi = _group_values(tl.reshape(words, (BLOCK_N * PAIRS, 4)))
     s_ptr = scale_ptr + offs_n[:, None] * stride_sn + 2 * p[None, :]
     s_lo = tl.load(s_ptr, mask=rows_ok & (2 * p < groups)[None, :], other=0.0)
     s_hi = tl.load(s_ptr + 1, mask=rows_ok & (2 * p + 1 < groups)[None, :], other=0.0)
     global_scale = tl.load(global_scale_ptr)
     # Correctly rounded scale / global_scale, as the reference divides.
-    w_lo = _e2m1(b & 0xF) * tl.math.div_rn(s_lo.to(tl.float32), global_scale)[:, :, None]
-    w_hi = _e2m1(b >> 4) * tl.math.div_rn(s_hi.to(tl.float32), global_scale)[:, :, None]
+    w_lo = (tl.reshape(lo, (BLOCK_N, PAIRS, 16))
+            * tl.math.div_rn(s_lo.to(tl.float32), global_scale)[:, :, None])
+    w_hi = (tl.reshape(hi, (BLOCK_N, PAIRS, 16))
+            * tl.math.div_rn(s_hi.to(tl.float32), global_scale)[:, :, None])
     k_lo = p[None, :, None] * 32 + j[None, None, :]
     out = out_ptr + offs_n[:, None, None] * stride_on + k_lo
     tl.store(out, w_lo.to(out_ptr.dtype.element_ty), mask=n_ok & (k_lo < K))
@@ -423,7 +431,7 @@ def dequantize(pairs: torch.Tensor, scale: torch.Tensor, global_scale: torch.Ten
     words = pairs.view(torch.int32)
     nvfp4_dequant_kernel[grid](words, scale, global_scale, out, n, k, words.stride(0),
                                scale.stride(0), out.stride(0), BLOCK_N=block_n,
-                               PAIRS=chunk_pairs, ASM=not interpreting(), num_warps=4)
+                               PAIRS=chunk_pairs, num_warps=4)
     return out
 
 
