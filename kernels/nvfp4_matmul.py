@@ -6,10 +6,11 @@ into two tensor-core operands of K = 16 with one scale each. Triton stages the p
 through shared memory and decodes each word as the CUDA kernel does (the layout shuffles its
 bits for that decode), already in the mma operand layout: a word holds four consecutive k of
 each group, which is what one thread holds of a 16-bit operand (kWidth = 4), so the forward
-assembles its operands in registers. Undoing the shuffle and decoding bytes, as these kernels
-first did, made the fused forward ~2x slower at M = 16 on an H100 and the dequantize ~15%;
-for sm_90 the M = 16 launches compile to 735 (forward) and 719 (backward) SASS instructions
-with this decode, 1031 and 2177 undoing the shuffle, 815 and 1082 before the shuffle.
+assembles its operands in registers. For sm_90 the M = 16 launches compile to 735 (forward)
+and 719 (backward) SASS instructions with this decode, 1031 and 2177 undoing the shuffle and
+decoding bytes, 815 and 1082 before the shuffle; on an H100 the forward of a 18944 x 3584
+weight at M = 16 took 38 us (ncu; 44 us before the shuffle) and its dequantize 71 us (69
+before, 80 undoing the shuffle).
 
 Decoding (inline PTX, one word per call): the word masked, rotated or spread by a multiply
 leaves four pairs of codes, each code's three magnitude bits in the exponent/mantissa of a
