@@ -24,18 +24,18 @@ M = 16 (kernels/NOTES.md). Rows past N and weights past K (N rounded up to 16, K
 hold zero codes.
 
 Last, the bits of each 32-bit word (bytes 4w .. 4w + 3 of a chunk, little-endian) are
-shuffled so that the CUDA kernel turns a word into four bf16 pairs with 8 instructions
-instead of 14: its eight codes L0-L3 (low nibbles, weights 32p + 4w + i) and H0-H3 (high
-nibbles, 32p + 16 + 4w + i) sit where
+shuffled so that a kernel turns a word into four bf16 pairs with 8 instructions instead
+of 14 (the CUDA kernel and the Triton ones decode words so): its eight codes L0-L3 (low
+nibbles, weights 32p + 4w + i) and H0-H3 (high nibbles, 32p + 16 + 4w + i) sit where
 
     (L0, L1) = w & M              (L2, L3) = rotl(w, 10) & M
     (H0, H1) = rotl(w, 13) & M    (H2, H3) = ((w & 0x001B001B) * 0x1084) & M
 
 put each code's magnitude at bits 6-8 and its sign at bit 15 of a 16-bit half (M =
 0x81C081C0: the E2M1 value * 2^-126 as bf16). A search over rotations, byte permutes and
-multiply-by-shifted-copies found no cheaper cover of the word. ``word_bytes`` undoes the
-shuffle where a kernel decodes bytes. The permutation is done once, when a layer is built;
-it is exact and reversible. The scales keep the checkpoint's [N, K/16] layout.
+multiply-by-shifted-copies found no cheaper cover of the word (kernels/NOTES.md, Round 7).
+The permutation is done once, when a layer is built; it is exact and reversible
+(``from_pairs``). The scales keep the checkpoint's [N, K/16] layout.
 """
 
 from __future__ import annotations
