@@ -15,13 +15,11 @@ The terms (decimal GB), for P prompts x G completions of L tokens after a prompt
 - checkpointed: each layer's input for one micro-batch, kept for the backward pass;
 - layer: one layer's activations while it is recomputed in the backward pass, the peak:
   for lora and qerl 4 intermediate-sized and 8 hidden-sized BF16 tensors a token (fitted
-  to this version's 7B, 14B and 32B steps, within 2%: LoRA added inside the GEMM, Liger's
-  norm and SwiGLU); for qlora, whose LoRA layer is PEFT's own (fp32 copies of every
-  projection's input), the fit of the version before: 3 and 6, plus
-- logits: one micro-batch's BF16 logits over the vocabulary (qlora only; TRL's fused
-  lm_head does not hold them at the lora and qerl peak).
-Checked against `qerl bench step` on an H100 (tests/test_bench_cli.py): 7B-72B within 10%,
-3B within 25%.
+  to the 7B, 14B and 32B steps, within 2%: LoRA added inside the GEMM, Liger's norm and
+  SwiGLU); qlora's LoRA layer is PEFT's own, which keeps an fp32 copy of each projection's
+  input for the adapter (six hidden-sized, one intermediate-sized: 12 and 2 BF16 tensors'
+  worth more), so 6 and 20 (its 3B-32B steps within 5%).
+Checked against `qerl bench step` on an H100 (tests/test_bench_cli.py): 3B-72B within 10%.
 ``--measured`` adds the measured peak of runs with the same settings beside each row.
 """
 
@@ -33,7 +31,7 @@ from pathlib import Path
 GB = 1e9
 QUANTIZED_BYTES = 0.5 + 1 / 16  # 4-bit values + one 8-bit scale per 16 (NF4: 32-bit per 64)
 METHODS = ("lora", "qlora", "qerl")
-TERMS = ("weights", "lora", "kv_cache", "checkpointed", "layer", "logits")
+TERMS = ("weights", "lora", "kv_cache", "checkpointed", "layer")
 
 
 def estimate(arch: str, method: str, prompts: int, generations: int, completion: int,
@@ -60,9 +58,8 @@ def estimate(arch: str, method: str, prompts: int, generations: int, completion:
         "lora": adapters * 16,
         "kv_cache": layers * 2 * kv * 2 * prompts * generations * tokens,
         "checkpointed": layers * micro_batch * tokens * hidden * 2,
-        "layer": micro_batch * tokens * ((3 * inter + 6 * hidden) if method == "qlora"
+        "layer": micro_batch * tokens * ((6 * inter + 20 * hidden) if method == "qlora"
                                          else (4 * inter + 8 * hidden)) * 2,
-        "logits": micro_batch * tokens * c.vocab_size * 2 if method == "qlora" else 0,
     }
     terms = {k: v / GB for k, v in terms.items()}
     return {**terms, "total": sum(terms.values())}
