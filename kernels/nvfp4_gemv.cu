@@ -86,6 +86,7 @@ __device__ __forceinline__ void copy_async(uint4* smem, const void* gmem, bool v
 // shuffle): the E2M1 magnitude at bits 6-8 and the sign at bit 15 of each half, a bf16 of
 // value E2M1 * 2^-126 (code 1 lands on a subnormal). fp16 moves the magnitude to bits 9-11
 // (E2M1 * 2^-14).
+// The constants are nvfp4_layout's CODE_BITS, ROTATIONS and SPREAD.
 template <bool BF16>
 __device__ __forceinline__ void decode_word(uint32_t w, uint32_t (&d)[4]) {
   constexpr uint32_t kM = 0x81C081C0u;

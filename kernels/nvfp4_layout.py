@@ -49,6 +49,12 @@ PAIR = 2 * nvfp4.GROUP_SIZE  # weights per 16-byte chunk
 TILE_ROWS = 16  # rows of a tile
 TILE_WEIGHTS = 4 * PAIR  # weights of a row in a tile (four chunks, 64 bytes)
 
+# The decode above: the mask that leaves each 16-bit half's magnitude (bits 6-8) and sign
+# (bit 15), the left rotations that bring (L2, L3) and (H0, H1) under it, and the mask and
+# multiplier (three shifted copies, no carries) that bring (H2, H3).
+CODE_BITS = 0x81C081C0
+ROTATIONS = (10, 13)
+SPREAD = (0x001B001B, 0x1084)
 # Bit positions in a word of codes L0, L1, L2, L3, H0, H1, H2, H3, each as (mantissa,
 # exponent low, exponent high, sign): the decode above reads them from there.
 WORD_BITS = ((6, 7, 8, 15), (22, 23, 24, 31), (28, 29, 30, 5), (12, 13, 14, 21),

@@ -52,9 +52,11 @@ MAX_SPLIT_K = 16  # so that a consumer can sum the partials unrolled (lora_decod
 E2M1_AS_FP16_UNSCALE = tl.constexpr(16384.0)
 
 
-# The decode's mask (nvfp4_layout): in each 16-bit half a code's magnitude at bits 6-8 and
-# its sign at bit 15, E2M1 * 2^-126 as bf16.
-CODE_BITS = tl.constexpr(0x81C081C0)
+# The word decode's constants (nvfp4_layout): in each 16-bit half a code's magnitude at
+# bits 6-8 and its sign at bit 15, E2M1 * 2^-126 as bf16.
+CODE_BITS = tl.constexpr(layout.CODE_BITS)
+ROT_L23, ROT_H01 = tl.constexpr(layout.ROTATIONS[0]), tl.constexpr(layout.ROTATIONS[1])
+SPREAD_MASK, SPREAD_MUL = tl.constexpr(layout.SPREAD[0]), tl.constexpr(layout.SPREAD[1])
 
 
 def _decode_asm(fp16: bool) -> str:
@@ -63,14 +65,15 @@ def _decode_asm(fp16: bool) -> str:
     instructions), then one packed multiply a pair. fp16 first moves each magnitude up to
     bits 9-11: d * 9 = d | d << 3 (their bits are disjoint), then an AND keeps the
     magnitude from d << 3 and the sign from d."""
-    mask = f"{CODE_BITS.value:#010x}"
+    mask = f"{layout.CODE_BITS:#010x}"
+    (l23, h01), (spread, times) = layout.ROTATIONS, layout.SPREAD
     mul = "mul.rn.f16x2" if fp16 else "mul.rn.bf16x2"
     lines = ["{", ".reg .b32 d0, d1, d2, d3, s0, s1;",
              "mov.b32 s0, {$9, $9};", "mov.b32 s1, {$10, $10};",
              f"and.b32 d0, $8, {mask};",
-             "shf.l.wrap.b32 d1, $8, $8, 10;", f"and.b32 d1, d1, {mask};",
-             "shf.l.wrap.b32 d2, $8, $8, 13;", f"and.b32 d2, d2, {mask};",
-             "and.b32 d3, $8, 0x001B001B;", "mul.lo.u32 d3, d3, 0x1084;",
+             f"shf.l.wrap.b32 d1, $8, $8, {l23};", f"and.b32 d1, d1, {mask};",
+             f"shf.l.wrap.b32 d2, $8, $8, {h01};", f"and.b32 d2, d2, {mask};",
+             f"and.b32 d3, $8, {spread:#010x};", f"mul.lo.u32 d3, d3, {times:#x};",
              f"and.b32 d3, d3, {mask};"]
     for i in range(4):
         if fp16:
@@ -113,9 +116,9 @@ def _group_values(words):
     [R, 16] each: the decode of _decode_asm in Triton's integer ops, a half at a time."""
     w = words.to(tl.uint32, bitcast=True)
     l01 = w & CODE_BITS
-    l23 = _rotl(w, 10) & CODE_BITS
-    h01 = _rotl(w, 13) & CODE_BITS
-    h23 = ((w & 0x001B001B) * 0x1084) & CODE_BITS
+    l23 = _rotl(w, ROT_L23) & CODE_BITS
+    h01 = _rotl(w, ROT_H01) & CODE_BITS
+    h23 = ((w & SPREAD_MASK) * SPREAD_MUL) & CODE_BITS
     lo = _k_order(_half_value(l01 & 0xFFFF), _half_value(l01 >> 16),
                   _half_value(l23 & 0xFFFF), _half_value(l23 >> 16))
     hi = _k_order(_half_value(h01 & 0xFFFF), _half_value(h01 >> 16),

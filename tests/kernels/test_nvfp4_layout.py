@@ -20,9 +20,9 @@ def _word_codes(words: torch.Tensor) -> torch.Tensor:
     """The CUDA kernel's decode, in torch: words [..., W] (as uint32 in int64) -> their
     codes [..., W, 8] as (L0, L1, L2, L3, H0, H1, H2, H3), each read back from the bf16
     bits the decode leaves (magnitude 6-8, sign 15 of a half)."""
-    mask = 0x81C081C0
-    pairs = (words & mask, _rotl(words, 10) & mask, _rotl(words, 13) & mask,
-             ((words & 0x001B001B) * 0x1084) & mask)
+    mask, (l23, h01), (spread, times) = layout.CODE_BITS, layout.ROTATIONS, layout.SPREAD
+    pairs = (words & mask, _rotl(words, l23) & mask, _rotl(words, h01) & mask,
+             ((words & spread) * times) & mask)
     for pair in pairs:  # nothing but a code's bits survives
         assert not (pair & ~mask).any()
     halves = [h for pair in pairs for h in (pair & 0xFFFF, pair >> 16)]
