@@ -111,7 +111,7 @@ def lora_shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, part_ptr, out_ptr, count_p
 def _expand_tile(xa_ptr, b_ptr, base_ptr, M, N, R, col, scaling, stride_xm, stride_bs,
                  stride_bm, rows, n, OUT_DTYPE: tl.constexpr, BASE_SPLITS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                 TENSOR_CORES: tl.constexpr):
+                 PRECISION: tl.constexpr):
     """One member's [BLOCK_M, BLOCK_N] output tile, as fp32 holding OUT_DTYPE values."""
     r = tl.arange(0, BLOCK_R)
     row_ok = rows[:, None] < M
@@ -122,10 +122,15 @@ def _expand_tile(xa_ptr, b_ptr, base_ptr, M, N, R, col, scaling, stride_xm, stri
     xa = round_as(xa, lora_dtype)
     b = tl.load(b_ptr + n[:, None] * R + r[None, :], mask=n_ok[:, None] & (r[None, :] < R),
                 other=0.0)
-    if TENSOR_CORES:
+    if PRECISION == "16-bit":
         # 16-bit operands holding 16-bit values: exact products, fp32 sums, as the "ieee"
         # dot below but on the tensor cores (7B gate/up expand on an H100: 9.9 -> 3.9 us).
         delta = tl.dot(xa.to(lora_dtype), tl.trans(b))
+    elif PRECISION == "tf32x3":
+        # fp32 adapters (PEFT's default beside a 16-bit base): fp32-accurate on the tensor
+        # cores, as the shrink. The "ieee" FMA dot took 3x as long at rank 64 (14B gate/up
+        # on an H100: 22 us, the bf16 dot 4.5).
+        delta = tl.dot(xa, tl.trans(b), input_precision="tf32x3")
     else:
         delta = tl.dot(xa, tl.trans(b.to(tl.float32)), input_precision="ieee")
     delta = round_as(delta, lora_dtype)
@@ -144,7 +149,7 @@ def lora_expand_kernel(xa_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, bas
                        stride_bs2, stride_bm2, stride_om, GROUP: tl.constexpr,
                        SILU_MUL: tl.constexpr, BASE_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                       TENSOR_CORES: tl.constexpr):
+                       PRECISION: tl.constexpr):
     """Up to three members side by side in out's columns (member g after members 0 .. g-1,
     program_id(0) walking the column blocks of all of them), or with SILU_MUL one output
     silu(member 0) * member 1, rounded as torch rounds each of the two ops."""
@@ -159,10 +164,10 @@ def lora_expand_kernel(xa_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, bas
         n = j * BLOCK_N + tl.arange(0, BLOCK_N)
         gate = _expand_tile(xa_ptr, b0_ptr, base0_ptr, M, N0, R, col, scaling0,
                             stride_xm, stride_bs0, stride_bm0, rows, n, out_dtype,
-                            BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R, TENSOR_CORES)
+                            BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION)
         up = _expand_tile(xa_ptr, b1_ptr, base1_ptr, M, N1, R, col + R, scaling1,
                           stride_xm, stride_bs1, stride_bm1, rows, n, out_dtype,
-                          BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R, TENSOR_CORES)
+                          BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION)
         act = round_as(gate / (1.0 + tl.exp(-gate)), out_dtype)
         tl.store(out + n[None, :], (act * up).to(out_dtype), mask=row_ok & (n < N0)[None, :])
     else:
@@ -171,7 +176,7 @@ def lora_expand_kernel(xa_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, bas
             n = j * BLOCK_N + tl.arange(0, BLOCK_N)
             y = _expand_tile(xa_ptr, b0_ptr, base0_ptr, M, N0, R, col, scaling0,
                              stride_xm, stride_bs0, stride_bm0, rows, n, out_dtype,
-                             BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R, TENSOR_CORES)
+                             BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION)
             tl.store(out + n[None, :], y.to(out_dtype), mask=row_ok & (n < N0)[None, :])
         if GROUP > 1:  # noqa: SIM102 (constexpr tests: Triton compiles the branches away)
             if j >= blocks0 and j < blocks0 + blocks1:
@@ -179,7 +184,7 @@ def lora_expand_kernel(xa_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, bas
                 y = _expand_tile(xa_ptr, b1_ptr, base1_ptr, M, N1, R, col + R, scaling1,
                                  stride_xm, stride_bs1, stride_bm1, rows, n,
                                  out_dtype, BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R,
-                                 TENSOR_CORES)
+                                 PRECISION)
                 tl.store(out + N0 + n[None, :], y.to(out_dtype),
                          mask=row_ok & (n < N1)[None, :])
         if GROUP > 2:  # noqa: SIM102
@@ -188,7 +193,7 @@ def lora_expand_kernel(xa_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, bas
                 y = _expand_tile(xa_ptr, b2_ptr, base2_ptr, M, N2, R, col + 2 * R, scaling2,
                                  stride_xm, stride_bs2, stride_bm2, rows, n,
                                  out_dtype, BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R,
-                                 TENSOR_CORES)
+                                 PRECISION)
                 tl.store(out + N0 + N1 + n[None, :], y.to(out_dtype),
                          mask=row_ok & (n < N2)[None, :])
 
@@ -217,6 +222,16 @@ def _counters(device: torch.device) -> torch.Tensor:
                                "graph of them")
         _COUNTERS[device] = torch.zeros(3, dtype=torch.int32, device=device)
     return _COUNTERS[device]
+
+
+def _expand_block_n(rank: int) -> int:
+    return 64 if rank <= 32 else 32
+
+
+def _shrink_warps(rank: int) -> int:
+    """Above rank 32 a program's A tiles and 3xTF32 parts are twice as many registers:
+    8 warps hold them (14B at rank 64 on an H100: 5.3-8.2 us a shrink, 5.6-9.1 with 4)."""
+    return 8 if rank > 32 else 4
 
 
 def lora_shrink(x: torch.Tensor, a_weights: list[torch.Tensor],
@@ -250,7 +265,8 @@ def lora_shrink(x: torch.Tensor, a_weights: list[torch.Tensor],
         x, *padded, parts, out, _counters(x.device), m, k, rank, per_split, x.stride(0),
         parts.stride(0), parts.stride(1), out.stride(0), GROUP=len(a_weights),
         SPLITS=splits, BLOCK_M=max(16, triton.next_power_of_2(m)),
-        BLOCK_R=_rank_block(rank), BLOCK_K=BLOCK_K, ITERS=per_split // BLOCK_K, num_warps=4)
+        BLOCK_R=_rank_block(rank), BLOCK_K=BLOCK_K, ITERS=per_split // BLOCK_K,
+        num_warps=_shrink_warps(rank))
     return out
 
 
@@ -292,11 +308,13 @@ def lora_expand_group(xa: torch.Tensor, b_weights: list[torch.Tensor], scalings:
     if any(b.shape[1] != rank or b.stride() != (rank, 1) for b in b_weights):
         raise ValueError("every B must be contiguous, of one rank")
     width = widths[0] if silu_mul else sum(widths)
-    # (the interpreter computes 16-bit dots wrongly: there the fp32 path runs)
-    tensor_cores = b_weights[0].dtype in (torch.bfloat16, torch.float16) and not interpreting()
+    if b_weights[0].dtype == torch.float32:
+        precision = "tf32x3"
+    else:  # (the interpreter computes 16-bit dots wrongly: there the fp32 FMA path runs)
+        precision = "ieee" if interpreting() else "16-bit"
     out = torch.empty((m, width), dtype=out_dtype, device=xa.device)
     block_m = 16 if m <= 16 else 32
-    block_n = 64 if rank <= 32 else 32
+    block_n = _expand_block_n(rank)
     blocks = triton.cdiv(widths[0], block_n) if silu_mul else sum(
         triton.cdiv(n, block_n) for n in widths)
     pad = 3 - len(b_weights)
@@ -308,7 +326,7 @@ def lora_expand_group(xa: torch.Tensor, b_weights: list[torch.Tensor], scalings:
         *[stride for base in base_all for stride in base.stride()[:2]], out.stride(0),
         GROUP=len(b_weights), SILU_MUL=silu_mul, BASE_SPLITS=bases[0].shape[0],
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_rank_block(rank),
-        TENSOR_CORES=tensor_cores, num_warps=4)
+        PRECISION=precision, num_warps=4)
     if silu_mul:
         return [out]
     starts = [0, *itertools.accumulate(widths)]

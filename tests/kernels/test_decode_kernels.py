@@ -161,6 +161,23 @@ def test_grouped_expand_equals_one_launch_per_member(poisoned, dtype, rows, spli
     torch.testing.assert_close(act, ref, **tol, msg=lambda m: f"{seed}: {m}")
 
 
+@pytest.mark.parametrize("rank", [16, 64])
+def test_expand_of_fp32_adapters_is_fp32_accurate(poisoned, rank):
+    """PEFT keeps adapters in fp32 beside a 16-bit base: their expand runs on the tensor
+    cores as 3xTF32 and must stay within fp32 rounding of a float64 product (one TF32
+    pass would be ~1e-3 off)."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    rows, n = 5, 200
+    xa = rand(gen, rows, 2 * rank)
+    b = rand(gen, n, rank)
+    base = rand(gen, 3, rows, n)
+    got = lora_decode.lora_expand(xa, 1, b, 0.75, base, torch.float32)
+    ref = base.double().sum(0) + xa[:, rank:].double() @ b.double().T * 0.75
+    torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5,
+                               msg=lambda m: f"{seed}: {m}")
+
+
 def test_grouped_expand_refuses_what_it_cannot_join():
     gen = torch.Generator().manual_seed(0)
     x = rand(gen, 4, 32)
