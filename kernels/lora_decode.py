@@ -8,7 +8,8 @@ add, cast back).
             silu(y_gate) * y_up), rounded as PEFT and torch round
 
 The expand also sums a base projection that arrives split over K (the NVFP4 kernels' fp32
-partials), so the base's own reduction costs no launch either. Rounding follows PEFT's
+partials), so the base's own reduction costs no launch either, and likewise xa's partial
+sums where the NVFP4 launch ran the shrink itself (nvfp4_gemv.cu). Rounding follows PEFT's
 forward: x is cast to the adapter's dtype, x @ A^T and its product with B^T are rounded to
 it, times scaling, plus the base output (rounded to its dtype first), and the sum is rounded
 to the base's dtype. Only the order of each dot product's sum may differ.
@@ -108,8 +109,9 @@ def lora_shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, part_ptr, out_ptr, count_p
 
 
 @triton.jit
-def _expand_tile(xa_ptr, b_ptr, base_ptr, M, N, R, col, scaling, stride_xm, stride_bs,
-                 stride_bm, rows, n, OUT_DTYPE: tl.constexpr, BASE_SPLITS: tl.constexpr,
+def _expand_tile(xa_ptr, b_ptr, base_ptr, M, N, R, col, scaling, stride_xs, stride_xm,
+                 stride_bs, stride_bm, rows, n, OUT_DTYPE: tl.constexpr,
+                 XA_SPLITS: tl.constexpr, BASE_SPLITS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                  PRECISION: tl.constexpr):
     """One member's [BLOCK_M, BLOCK_N] output tile, as fp32 holding OUT_DTYPE values."""
@@ -117,8 +119,10 @@ def _expand_tile(xa_ptr, b_ptr, base_ptr, M, N, R, col, scaling, stride_xm, stri
     row_ok = rows[:, None] < M
     n_ok = n < N
     lora_dtype = b_ptr.dtype.element_ty
-    xa = tl.load(xa_ptr + rows[:, None] * stride_xm + col + r[None, :],
-                 mask=row_ok & (r[None, :] < R), other=0.0)
+    xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for s in tl.static_range(XA_SPLITS):  # in order: the sum is the same at every launch
+        xa += tl.load(xa_ptr + s * stride_xs + rows[:, None] * stride_xm + col + r[None, :],
+                      mask=row_ok & (r[None, :] < R), other=0.0)
     xa = round_as(xa, lora_dtype)
     b = tl.load(b_ptr + n[:, None] * R + r[None, :], mask=n_ok[:, None] & (r[None, :] < R),
                 other=0.0)
@@ -145,9 +149,10 @@ def _expand_tile(xa_ptr, b_ptr, base_ptr, M, N, R, col, scaling, stride_xm, stri
 @triton.jit
 def lora_expand_kernel(xa_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, base2_ptr,
                        out_ptr, M, N0, N1, N2, R, col, scaling0, scaling1, scaling2,
-                       stride_xm, stride_bs0, stride_bm0, stride_bs1, stride_bm1,
+                       stride_xs, stride_xm, stride_bs0, stride_bm0, stride_bs1, stride_bm1,
                        stride_bs2, stride_bm2, stride_om, GROUP: tl.constexpr,
-                       SILU_MUL: tl.constexpr, BASE_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       SILU_MUL: tl.constexpr, XA_SPLITS: tl.constexpr,
+                       BASE_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                        PRECISION: tl.constexpr):
     """Up to three members side by side in out's columns (member g after members 0 .. g-1,
@@ -163,11 +168,11 @@ def lora_expand_kernel(xa_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, bas
     if SILU_MUL:
         n = j * BLOCK_N + tl.arange(0, BLOCK_N)
         gate = _expand_tile(xa_ptr, b0_ptr, base0_ptr, M, N0, R, col, scaling0,
-                            stride_xm, stride_bs0, stride_bm0, rows, n, out_dtype,
-                            BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION)
+                            stride_xs, stride_xm, stride_bs0, stride_bm0, rows, n, out_dtype,
+                            XA_SPLITS, BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION)
         up = _expand_tile(xa_ptr, b1_ptr, base1_ptr, M, N1, R, col + R, scaling1,
-                          stride_xm, stride_bs1, stride_bm1, rows, n, out_dtype,
-                          BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION)
+                          stride_xs, stride_xm, stride_bs1, stride_bm1, rows, n, out_dtype,
+                          XA_SPLITS, BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION)
         act = round_as(gate / (1.0 + tl.exp(-gate)), out_dtype)
         tl.store(out + n[None, :], (act * up).to(out_dtype), mask=row_ok & (n < N0)[None, :])
     else:
@@ -175,25 +180,25 @@ def lora_expand_kernel(xa_ptr, b0_ptr, b1_ptr, b2_ptr, base0_ptr, base1_ptr, bas
         if j < blocks0:
             n = j * BLOCK_N + tl.arange(0, BLOCK_N)
             y = _expand_tile(xa_ptr, b0_ptr, base0_ptr, M, N0, R, col, scaling0,
-                             stride_xm, stride_bs0, stride_bm0, rows, n, out_dtype,
-                             BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION)
+                             stride_xs, stride_xm, stride_bs0, stride_bm0, rows, n, out_dtype,
+                             XA_SPLITS, BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION)
             tl.store(out + n[None, :], y.to(out_dtype), mask=row_ok & (n < N0)[None, :])
         if GROUP > 1:  # noqa: SIM102 (constexpr tests: Triton compiles the branches away)
             if j >= blocks0 and j < blocks0 + blocks1:
                 n = (j - blocks0) * BLOCK_N + tl.arange(0, BLOCK_N)
                 y = _expand_tile(xa_ptr, b1_ptr, base1_ptr, M, N1, R, col + R, scaling1,
-                                 stride_xm, stride_bs1, stride_bm1, rows, n,
-                                 out_dtype, BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R,
-                                 PRECISION)
+                                 stride_xs, stride_xm, stride_bs1, stride_bm1, rows, n,
+                                 out_dtype, XA_SPLITS, BASE_SPLITS, BLOCK_M, BLOCK_N,
+                                 BLOCK_R, PRECISION)
                 tl.store(out + N0 + n[None, :], y.to(out_dtype),
                          mask=row_ok & (n < N1)[None, :])
         if GROUP > 2:  # noqa: SIM102
             if j >= blocks0 + blocks1:
                 n = (j - blocks0 - blocks1) * BLOCK_N + tl.arange(0, BLOCK_N)
                 y = _expand_tile(xa_ptr, b2_ptr, base2_ptr, M, N2, R, col + 2 * R, scaling2,
-                                 stride_xm, stride_bs2, stride_bm2, rows, n,
-                                 out_dtype, BASE_SPLITS, BLOCK_M, BLOCK_N, BLOCK_R,
-                                 PRECISION)
+                                 stride_xs, stride_xm, stride_bs2, stride_bm2, rows, n,
+                                 out_dtype, XA_SPLITS, BASE_SPLITS, BLOCK_M, BLOCK_N,
+                                 BLOCK_R, PRECISION)
                 tl.store(out + N0 + N1 + n[None, :], y.to(out_dtype),
                          mask=row_ok & (n < N2)[None, :])
 
@@ -273,8 +278,8 @@ def lora_shrink(x: torch.Tensor, a_weights: list[torch.Tensor],
 def lora_expand(xa: torch.Tensor, member: int, b_weight: torch.Tensor, scaling: float,
                 base: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """base [splits, M, N] (a base projection's partial sums, or [1, M, N] in its own
-    dtype) + (the shrink's xa [M, G * R], member ``member``) @ B^T * scaling -> [M, N] in
-    ``out_dtype``."""
+    dtype) + (the shrink's xa [M, G * R], or its partial sums [S, M, G * R], member
+    ``member``) @ B^T * scaling -> [M, N] in ``out_dtype``."""
     return lora_expand_group(xa, [b_weight], [scaling], [base], out_dtype, first=member)[0]
 
 
@@ -285,7 +290,8 @@ def lora_expand_group(xa: torch.Tensor, b_weights: list[torch.Tensor], scalings:
     launch: their outputs as column views of one [M, sum of N] buffer; with ``silu_mul``
     (two members, gate and up) the single output silu(gate) * up instead. Every base has
     the same number of partial sums."""
-    m = xa.shape[0]
+    parts = xa[None] if xa.dim() == 2 else xa  # the shrink's partial sums, added in order
+    m = parts.shape[1]
     rank = b_weights[0].shape[1]
     widths = [b.shape[0] for b in b_weights]
     if not 1 <= len(b_weights) <= 3 or len(scalings) != len(b_weights) or len(bases) != len(
@@ -302,9 +308,11 @@ def lora_expand_group(xa: torch.Tensor, b_weights: list[torch.Tensor], scalings:
         raise ValueError("every base of a group must have the same number of partial sums")
     if bases[0].shape[0] > MAX_SPLITS:
         raise ValueError(f"at most {MAX_SPLITS} partial sums, got {bases[0].shape[0]}")
-    if xa.dim() != 2 or xa.shape[1] < (first + len(b_weights)) * rank or xa.stride(-1) != 1:
-        raise ValueError(f"xa must be the shrink's [M, G * {rank}] with members "
-                         f"{first}..{first + len(b_weights) - 1}, got {tuple(xa.shape)}")
+    if (xa.dim() not in (2, 3) or parts.shape[-1] < (first + len(b_weights)) * rank
+            or parts.shape[0] > MAX_SPLITS or xa.stride(-1) != 1):
+        raise ValueError(f"xa must be the shrink's [M, G * {rank}] (or up to {MAX_SPLITS} "
+                         f"partial sums of it) with members {first}.."
+                         f"{first + len(b_weights) - 1}, got {tuple(xa.shape)}")
     if any(b.shape[1] != rank or b.stride() != (rank, 1) for b in b_weights):
         raise ValueError("every B must be contiguous, of one rank")
     width = widths[0] if silu_mul else sum(widths)
@@ -321,10 +329,11 @@ def lora_expand_group(xa: torch.Tensor, b_weights: list[torch.Tensor], scalings:
     b_all = b_weights + [b_weights[0]] * pad
     base_all = bases + [bases[0]] * pad
     lora_expand_kernel[(blocks, triton.cdiv(m, block_m))](
-        xa, *b_all, *base_all, out, m, *(widths + [0] * pad), rank, first * rank,
-        *(list(scalings) + [0.0] * pad), xa.stride(0),
+        parts, *b_all, *base_all, out, m, *(widths + [0] * pad), rank, first * rank,
+        *(list(scalings) + [0.0] * pad), parts.stride(0), parts.stride(1),
         *[stride for base in base_all for stride in base.stride()[:2]], out.stride(0),
-        GROUP=len(b_weights), SILU_MUL=silu_mul, BASE_SPLITS=bases[0].shape[0],
+        GROUP=len(b_weights), SILU_MUL=silu_mul, XA_SPLITS=parts.shape[0],
+        BASE_SPLITS=bases[0].shape[0],
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_rank_block(rank),
         PRECISION=precision, num_warps=4)
     if silu_mul:

@@ -1,6 +1,7 @@
 // Small-M NVFP4 matmul on tensor cores: out[S][M][N] = split-K partial sums of
 // x[M, K] @ deq(W[N, K])^T, for M <= 32 (rollout decode steps), for up to three weights
-// that read the same x side by side in N. Built and loaded by
+// that read the same x side by side in N, and optionally the LoRA shrink of their fp32
+// adapters (shrink_row) in the same launch. Built and loaded by
 // nvfp4_gemv.py; the layout and the decode are the Triton kernels' (nvfp4_layout.py,
 // nvfp4_matmul.py), so both read the same packed weight.
 //
@@ -191,11 +192,18 @@ constexpr int kXStages = 2;
 struct Args {
   const uint16_t* x;
   Member member[kMaxMembers];
+  // The LoRA shrink of the members' fp32 adapters A_g [rank, K] (or none: shrink_blocks 0):
+  // xa[split][token][g * rank + r] = x[token, the split's K range] . A_g[r, that range].
+  const float* lora_a[kMaxMembers];
+  float* xa;
+  long long stride_xas, stride_xam;
+  int rank, shrink_blocks;
   void* out;  // [splits][M][sum of n]: fp32 if out_f32, else x's dtype
   long long stride_xm, stride_os, stride_om;
   int members, m, groups;
   int k_warps;          // warps of a block that split its K range (1, 2 or 4; 1 for M > 8)
-  int quads_per_split;  // quads of chunks (4 x 32 weights of K) per blockIdx.y
+  int quads_per_split;  // quads of chunks (4 x 32 weights of K) per split
+  int blocks, splits;   // the weights' blocks per split; splits of K
   int out_f32;
   float post;  // 2^62 (bf16) or 2^14 (fp16)
 };
@@ -216,6 +224,57 @@ __host__ __device__ constexpr bool shared_x() {
   return MT > 1;
 }
 
+// A shrink block's warp: one row r of A_g over the K range [k_begin, k_end), for every
+// token, in fp32 (exact products of x's 16-bit values, fp32 sums in a fixed order). A's row
+// streams through 16 bytes a lane (4 loads in flight); x, a few KB a token, is read through
+// L1 by the block's four warps. Why here and not in a launch of its own: the shrink is a
+// few microseconds of a small grid that mostly waits on loads; beside the weight's blocks
+// in one launch it needs no stream of its own, no event to fork and join it, and no
+// counter to add its K slices up (the expand adds them, as it adds the weight's).
+template <bool BF16, int MT>
+__device__ __forceinline__ void shrink_row(const Args& a, int g, int r, int split, int k_begin,
+                                           int k_end, int lane) {
+  constexpr int T = MT * 8;
+  float acc[T];
+#pragma unroll
+  for (int t = 0; t < T; ++t) acc[t] = 0.f;
+  const float* row = a.lora_a[g] + static_cast<long long>(r) * 16 * a.groups;
+  constexpr int kAhead = MT > 2 ? 2 : 4;  // 16-byte loads of A in flight a lane (registers)
+  for (int k0 = k_begin + 4 * lane; k0 < k_end; k0 += 128 * kAhead) {
+    float4 w[kAhead];
+#pragma unroll
+    for (int i = 0; i < kAhead; ++i)
+      if (k0 + 128 * i < k_end)
+        asm("ld.global.nc.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];"
+            : "=f"(w[i].x), "=f"(w[i].y), "=f"(w[i].z), "=f"(w[i].w)
+            : "l"(row + k0 + 128 * i));
+#pragma unroll
+    for (int i = 0; i < kAhead; ++i) {
+      const int k = k0 + 128 * i;
+      if (k >= k_end) break;
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        // Tokens past m read token m - 1 (their sums are never stored).
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(
+            a.x + static_cast<long long>(min(t, a.m - 1)) * a.stride_xm + k));
+        acc[t] = fmaf(w[i].x, to_float<BF16>(static_cast<uint16_t>(v.x)), acc[t]);
+        acc[t] = fmaf(w[i].y, to_float<BF16>(static_cast<uint16_t>(v.x >> 16)), acc[t]);
+        acc[t] = fmaf(w[i].z, to_float<BF16>(static_cast<uint16_t>(v.y)), acc[t]);
+        acc[t] = fmaf(w[i].w, to_float<BF16>(static_cast<uint16_t>(v.y >> 16)), acc[t]);
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < T; ++t)
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], off);
+  if (lane == 0)
+#pragma unroll
+    for (int t = 0; t < T; ++t)
+      if (t < a.m)
+        a.xa[split * a.stride_xas + t * a.stride_xam + g * a.rank + r] = acc[t];
+}
+
 // MT: 8-token tiles (M <= 8 * MT).
 template <bool BF16, int MT>
 __global__ void __launch_bounds__(kWarps * 32, min_blocks<MT>())
@@ -225,19 +284,34 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<MT>())
   __shared__ uint4 xs[XS ? kXStages : 1][XS ? MT * 8 * 16 : 1];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
+  const int chunks = (a.groups + 1) / 2;
+  const int quads = (chunks + 3) / 4;
+  // The grid is one-dimensional so that every split's shrink blocks come first and are
+  // scheduled before the weights' (a warp a row of A, ceil(rank / 4) blocks a member);
+  // then the weights' blocks, split after split.
+  const bool shrink = static_cast<int>(blockIdx.x) < a.shrink_blocks * a.splits;
+  const int per_split = shrink ? a.shrink_blocks : a.blocks;
+  const int linear = shrink ? blockIdx.x : blockIdx.x - a.shrink_blocks * a.splits;
+  const int bx = linear % per_split, split = linear / per_split;
+  // This block's quads (of the weight, or of A for a shrink block).
+  const int b_begin = split * a.quads_per_split;
+  const int b_end = min(quads, b_begin + a.quads_per_split);
+  if (shrink) {
+    const int per_member = (a.rank + kWarps - 1) / kWarps;
+    const int r = (bx % per_member) * kWarps + warp;
+    if (r < a.rank)
+      shrink_row<BF16, MT>(a, bx / per_member, r, split, min(128 * b_begin, 16 * a.groups),
+                           min(128 * b_end, 16 * a.groups), lane);
+    return;
+  }
   const int strips_per_block = kWarps / a.k_warps;
   // This block's member. Args is a __grid_constant__: indexing it at run time reads the
   // parameter bank (a plain parameter would be copied to local memory first).
-  const Member& mb = a.member[(a.members > 1 && blockIdx.x >= a.member[1].first_block) +
-                              (a.members > 2 && blockIdx.x >= a.member[2].first_block)];
-  const int strip = (blockIdx.x - mb.first_block) * strips_per_block + warp / a.k_warps;
+  const Member& mb = a.member[(a.members > 1 && bx >= a.member[1].first_block) +
+                              (a.members > 2 && bx >= a.member[2].first_block)];
+  const int strip = (bx - mb.first_block) * strips_per_block + warp / a.k_warps;
   const int kslice = warp % a.k_warps;
   const int rows[2] = {strip * 16 + g, strip * 16 + g + 8};
-  const int chunks = (a.groups + 1) / 2;
-  const int quads = (chunks + 3) / 4;
-  // This block's quads, then this warp's share of them.
-  const int b_begin = blockIdx.y * a.quads_per_split;
-  const int b_end = min(quads, b_begin + a.quads_per_split);
   const int per_warp = (max(b_end - b_begin, 0) + a.k_warps - 1) / a.k_warps;
   const int q_begin = b_begin + kslice * per_warp;
   const int q_end = min(b_end, q_begin + per_warp);
@@ -423,8 +497,8 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<MT>())
       const int row = rows[j >> 1], tok = mt * 8 + 2 * t + (j & 1);
       if (row >= mb.n || tok >= a.m) continue;
       float v = acc[mt][j] * factor;
-      if (mb.bias != nullptr && blockIdx.y == 0) v += to_float<BF16>(mb.bias[row]);
-      const long long at = blockIdx.y * a.stride_os + tok * a.stride_om + mb.col + row;
+      if (mb.bias != nullptr && split == 0) v += to_float<BF16>(mb.bias[row]);
+      const long long at = split * a.stride_os + tok * a.stride_om + mb.col + row;
       if (a.out_f32)
         static_cast<float*>(a.out)[at] = v;
       else
@@ -469,15 +543,20 @@ int qerl_nvfp4_gemv_init(int device) {
 
 // Returns a cudaError_t (0: launched). Shapes and strides are checked by the caller.
 // Member g's fields are element g of the arrays (``members`` of them, all of K columns).
+// With lora_a (one fp32 [rank, K] per member, else null) the launch also writes the LoRA
+// shrink's split-K partial sums into xa [splits][m][members * rank].
 int qerl_nvfp4_gemv(int bf16, const void* x, long long stride_xm, int members,
                     const void* const* pairs, const long long* stride_p,
                     const void* const* scale, const long long* stride_s,
                     const void* const* global_scale, const void* const* bias, const int* n,
                     void* out, int out_f32, long long stride_os, long long stride_om, int m,
-                    int k, int splits, int k_warps, int device, void* stream) {
+                    int k, int splits, int k_warps, const void* const* lora_a, int rank,
+                    void* xa, long long stride_xas, long long stride_xam, int device,
+                    void* stream) {
   if (m < 1 || m > 32 || k % 16 != 0 || splits < 1 || members < 1 ||
       members > kMaxMembers || (k_warps != 1 && k_warps != 2 && k_warps != 4) ||
-      (m > 8 && k_warps != 1))  // shared x: the block's warps share one K range
+      (m > 8 && k_warps != 1) ||  // shared x: the block's warps share one K range
+      (lora_a != nullptr && (rank < 1 || xa == nullptr)))
     return cudaErrorInvalidValue;
   const int groups = k / 16;
   const int quads = ((groups + 1) / 2 + 3) / 4;
@@ -506,7 +585,17 @@ int qerl_nvfp4_gemv(int bf16, const void* x, long long stride_xm, int members,
   a.quads_per_split = (quads + splits - 1) / splits;
   a.out_f32 = out_f32;
   a.post = bf16 ? 4611686018427387904.0f : 16384.0f;  // 2^62, 2^14
-  const dim3 grid(blocks, splits);
+  if (lora_a != nullptr) {
+    for (int g = 0; g < members; ++g) a.lora_a[g] = static_cast<const float*>(lora_a[g]);
+    a.xa = static_cast<float*>(xa);
+    a.stride_xas = stride_xas;
+    a.stride_xam = stride_xam;
+    a.rank = rank;
+    a.shrink_blocks = members * ((rank + kWarps - 1) / kWarps);
+  }
+  a.blocks = blocks;
+  a.splits = splits;
+  const dim3 grid((a.shrink_blocks + blocks) * splits);
   const auto s = static_cast<cudaStream_t>(stream);
   const cudaError_t e = cudaSetDevice(device);  // the tensors' device, as torch's guard would
   if (e != cudaSuccess) return e;

@@ -84,7 +84,8 @@ def _library(arch: str) -> ctypes.CDLL:
     ptrs, longs = c.POINTER(c.c_void_p), c.POINTER(c.c_longlong)
     f.argtypes = [c.c_int, c.c_void_p, c.c_longlong, c.c_int, ptrs, longs, ptrs, longs, ptrs,
                   ptrs, c.POINTER(c.c_int), c.c_void_p, c.c_int, c.c_longlong, c.c_longlong,
-                  c.c_int, c.c_int, c.c_int, c.c_int, c.c_int, c.c_void_p]
+                  c.c_int, c.c_int, c.c_int, c.c_int, ptrs, c.c_int, c.c_void_p, c.c_longlong,
+                  c.c_longlong, c.c_int, c.c_void_p]
     f.restype = c.c_int
     lib.qerl_nvfp4_gemv_init.argtypes = [c.c_int]
     lib.qerl_nvfp4_gemv_init.restype = c.c_int
@@ -190,6 +191,33 @@ def grouped_partials(x2: torch.Tensor, weights: list[Weight], k: int,
                      splits: int | None = None, k_warps: int | None = None) -> torch.Tensor:
     """``partials`` of up to three weights that read the same x, in one launch: [S, M,
     sum of n], weight g in the columns after those of weights 0 .. g - 1."""
+    return _launch(x2, weights, k, splits, k_warps, None)[0]
+
+
+def grouped_partials_and_shrink(x2: torch.Tensor, weights: list[Weight], k: int,
+                                lora_a: list[torch.Tensor], splits: int | None = None,
+                                k_warps: int | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``grouped_partials`` and, in the same launch, the LoRA shrink of each weight's fp32
+    adapter A_g [R, K]: (partials, xa) with xa [S, M, len(weights) * R] the shrink's fp32
+    partial sums over the same S slices of K (member g in columns g*R .. (g+1)*R), whose
+    sum over S is x2 @ A_g^T as PEFT computes it (x cast to fp32), to fp32 rounding."""
+    if len(lora_a) != len(weights):
+        raise QuantizationError(f"one adapter A per weight: {len(weights)} weights, "
+                                f"{len(lora_a)} adapters")
+    rank = lora_a[0].shape[0]
+    for a in lora_a:
+        if (a.dtype != torch.float32 or a.shape != (rank, k) or not a.is_contiguous()
+                or a.device != x2.device or a.data_ptr() % 16):
+            raise QuantizationError(f"the in-launch shrink takes contiguous, 16-byte aligned "
+                                    f"fp32 adapters [{rank}, {k}] on {x2.device}; got "
+                                    f"{a.dtype} {tuple(a.shape)} on {a.device}")
+    if rank < 1:
+        raise QuantizationError("the in-launch shrink needs a rank of at least 1")
+    return _launch(x2, weights, k, splits, k_warps, lora_a)
+
+
+def _launch(x2, weights, k, splits, k_warps, lora_a):
     m = x2.shape[0]
     if not 1 <= m <= MAX_M or x2.stride(-1) != 1 or x2.stride(0) != k:
         raise QuantizationError(f"the CUDA kernel takes 1 to {MAX_M} contiguous rows [M, K], "
@@ -210,6 +238,10 @@ def grouped_partials(x2: torch.Tensor, weights: list[Weight], k: int,
     k_warps = k_warps or auto[1]
     out = torch.empty((splits, m, width), dtype=torch.float32 if splits > 1 else x2.dtype,
                       device=x2.device)
+    xa = None
+    if lora_a is not None:
+        xa = torch.empty((splits, m, len(lora_a) * lora_a[0].shape[0]), dtype=torch.float32,
+                         device=x2.device)
     lib = _loaded(_arch(x2.device), _index(x2.device))
     stream = torch.cuda.current_stream(x2.device).cuda_stream
     c, count = ctypes, len(weights)
@@ -225,11 +257,14 @@ def grouped_partials(x2: torch.Tensor, weights: list[Weight], k: int,
         (c.c_longlong * count)(*[w.scale.stride(0) for w in weights]),
         ptrs([w.global_scale for w in weights]), ptrs([w.bias for w in weights]),
         (c.c_int * count)(*[w.n for w in weights]), out.data_ptr(), int(splits > 1),
-        out.stride(0), out.stride(1), m, k, splits, k_warps, _index(x2.device), stream)
+        out.stride(0), out.stride(1), m, k, splits, k_warps,
+        None if lora_a is None else ptrs(lora_a), 0 if lora_a is None else lora_a[0].shape[0],
+        None if xa is None else xa.data_ptr(), 0 if xa is None else xa.stride(0),
+        0 if xa is None else xa.stride(1), _index(x2.device), stream)
     if error:
         raise QuantizationError(f"the CUDA NVFP4 kernel failed to launch: "
                                 f"{lib.qerl_cuda_error_string(error).decode()}")
-    return out
+    return out, xa
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -473,17 +473,47 @@ def nvfp4_linear_grouped_partials(x2: torch.Tensor, weights: list[tuple]) -> lis
     """``nvfp4_linear_partials`` of several weights (pairs, scale, global_scale, bias) that
     read the same x2: in one launch where the CUDA kernel runs (up to three weights, the
     results column views of one buffer), else one launch each."""
+    shapes = _check_group(x2, weights)
+    k = x2.shape[1]
+    if _one_launch(x2, weights):
+        return _columns(gemv.grouped_partials(x2, _members(weights, shapes), k), shapes)
+    return [_fused("fwd", x2, n, k, *w) for w, (n, _) in zip(weights, shapes, strict=True)]
+
+
+def nvfp4_linear_grouped_partials_and_shrink(
+        x2: torch.Tensor, weights: list[tuple], lora_a: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+    """``nvfp4_linear_grouped_partials`` with each weight's LoRA shrink (fp32 A_g [R, K])
+    in the same launch: (partials, xa [S, M, G * R], the shrink's partial sums over S),
+    where the CUDA kernel runs the group in one launch; else None (shrink on your own)."""
+    shapes = _check_group(x2, weights)
+    if not _one_launch(x2, weights):
+        return None
+    out, xa = gemv.grouped_partials_and_shrink(x2, _members(weights, shapes), x2.shape[1],
+                                               lora_a)
+    return _columns(out, shapes), xa
+
+
+def _check_group(x2: torch.Tensor, weights: list[tuple]) -> list[tuple[int, int]]:
     shapes = [_check(x2, *w[:3], "x") for w in weights]
     if x2.dim() != 2 or not 1 <= x2.shape[0] <= FUSED_MAX_M or x2.stride(-1) != 1:
         raise QuantizationError(f"partial sums take 1 to {FUSED_MAX_M} contiguous rows "
                                 f"[M, K], got {tuple(x2.shape)}")
-    k = x2.shape[1]
-    if len(weights) <= gemv.MAX_MEMBERS and _cuda_forward(x2):
-        members = [gemv.Weight(*w, n) for w, (n, _) in zip(weights, shapes, strict=True)]
-        out = gemv.grouped_partials(x2, members, k)
-        starts = [0, *itertools.accumulate(n for n, _ in shapes)]
-        return [out[..., a:b] for a, b in itertools.pairwise(starts)]
-    return [_fused("fwd", x2, n, k, *w) for w, (n, _) in zip(weights, shapes, strict=True)]
+    return shapes
+
+
+def _one_launch(x2: torch.Tensor, weights: list[tuple]) -> bool:
+    return len(weights) <= gemv.MAX_MEMBERS and _cuda_forward(x2)
+
+
+def _members(weights: list[tuple], shapes: list[tuple[int, int]]) -> list[gemv.Weight]:
+    return [gemv.Weight(*w, n) for w, (n, _) in zip(weights, shapes, strict=True)]
+
+
+def _columns(out: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Each weight's columns of one launch's [S, M, sum of n] output."""
+    starts = [0, *itertools.accumulate(n for n, _ in shapes)]
+    return [out[..., a:b] for a, b in itertools.pairwise(starts)]
 
 
 def nvfp4_linear_grad_input(dy: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,

@@ -100,8 +100,22 @@ def grouped_partial_sums(layers: list[NVFP4Linear], x2: torch.Tensor) -> list[to
     """``partial_sums`` of layers that read the same rows (q/k/v, gate/up): one kernel
     launch for all of them where the CUDA kernel runs."""
     if _use_kernels(x2) and x2.shape[0] <= kernels.FUSED_MAX_M:
-        weights = [(layer.weight_pairs, layer.weight_scale, layer.weight_global_scale,
-                    None if layer.bias is None else layer.bias.to(x2.dtype))
-                   for layer in layers]
-        return kernels.nvfp4_linear_grouped_partials(x2.contiguous(), weights)
+        return kernels.nvfp4_linear_grouped_partials(x2.contiguous(), _weights(layers, x2))
     return [layer(x2)[None] for layer in layers]
+
+
+def grouped_partial_sums_and_shrink(layers: list[NVFP4Linear], x2: torch.Tensor,
+                                    lora_a: list[torch.Tensor]
+                                    ) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+    """``grouped_partial_sums`` and the layers' LoRA shrink (fp32 adapters A_g) in one
+    launch: (partial sums, xa [S, M, G * R] whose sum over S is x2 @ A_g^T side by side),
+    or None where the CUDA kernel does not run this group."""
+    if not (x2.is_cuda and x2.shape[0] <= kernels.FUSED_MAX_M):
+        return None
+    return kernels.nvfp4_linear_grouped_partials_and_shrink(x2.contiguous(),
+                                                            _weights(layers, x2), lora_a)
+
+
+def _weights(layers: list[NVFP4Linear], x2: torch.Tensor) -> list[tuple]:
+    return [(layer.weight_pairs, layer.weight_scale, layer.weight_global_scale,
+             None if layer.bias is None else layer.bias.to(x2.dtype)) for layer in layers]

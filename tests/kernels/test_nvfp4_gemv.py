@@ -124,6 +124,46 @@ def test_one_launch_of_several_weights_equals_one_launch_each(poisoned, widths):
 
 @GPU
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_shrink_in_the_launch_matches_float64_and_leaves_the_weights_alone(poisoned, dtype):
+    """The LoRA shrink's blocks of a launch: their partial sums over the launch's K slices
+    add up to x @ A_g^T (fp32 adapters, as PEFT keeps them) to fp32 rounding, for every
+    token count, launch shape, rank off the 4-row block and K off the 128-weight quad;
+    the weights' partials are bit for bit those of a launch without them."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    k, widths = 336, [200, 40, 17]
+    members = [gemv.Weight(*weight(n, k, gen)[1], None, n) for n in widths]
+    for m, rank, shapes in ((1, 13, ((1, 4), (3, 2), (None, None))),
+                            (6, 64, ((2, 1), (None, None))),
+                            (16, 8, ((1, 1), (3, 1))), (29, 5, ((None, None),))):
+        x = torch.randn(m, k, generator=gen).to(dtype).cuda()
+        for group in (1, 3):
+            a = [torch.randn(rank, k, generator=gen).cuda() * 0.1 for _ in range(group)]
+            ref = x.double() @ torch.cat(a).double().T
+            for splits, k_warps in shapes:
+                parts, xa = gemv.grouped_partials_and_shrink(x, members[:group], k, a, splits,
+                                                             k_warps)
+                assert xa.shape == (parts.shape[0], m, group * rank), (m, rank, splits)
+                assert torch.equal(parts, gemv.grouped_partials(x, members[:group], k,
+                                                                splits, k_warps)), seed
+                torch.testing.assert_close(xa.double().sum(0), ref, atol=1e-5, rtol=1e-5,
+                                           msg=lambda e, c=(m, rank, splits): f"{seed} {c}: {e}")
+
+
+def test_shrink_in_the_launch_refuses_what_it_cannot_run():
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    w = gemv.Weight(torch.zeros(1), torch.zeros(1), torch.zeros(1), None, 16)
+    with pytest.raises(QuantizationError, match="one adapter A per weight"):
+        gemv.grouped_partials_and_shrink(x, [w], 64, [torch.zeros(4, 64)] * 2)
+    for a in (torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(4, 63),
+              torch.zeros(64, 4).T):
+        with pytest.raises(QuantizationError, match="fp32 adapters"):
+            gemv.grouped_partials_and_shrink(x, [w], 64, [a])
+
+
+@GPU
+@pytest.mark.gpu
 def test_replays_in_a_cuda_graph():
     gen = torch.Generator().manual_seed(fresh_seed())
     _, w4 = weight(512, 1024, gen)
