@@ -178,6 +178,25 @@ def test_expand_of_fp32_adapters_is_fp32_accurate(poisoned, rank):
                                msg=lambda m: f"{seed}: {m}")
 
 
+@pytest.mark.parametrize("dtype", dtypes())
+def test_expand_adds_up_the_shrinks_partial_sums_in_order(poisoned, dtype):
+    """xa given as split-K partial sums [S, M, G * R] (the NVFP4 launch's own shrink): the
+    expand of their sum, added in order, bit for bit."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    rows, rank, widths = 5, 8, [40, 24]
+    parts = rand(gen, 3, rows, 2 * rank)
+    b = [rand(gen, n, rank, scale=0.1) for n in widths]
+    bases = [rand(gen, 2, rows, n) for n in widths]
+    summed = parts[0] + parts[1] + parts[2]
+    got = lora_decode.lora_expand_group(parts, b, [0.5, 2.0], bases, dtype)
+    ref = lora_decode.lora_expand_group(summed, b, [0.5, 2.0], bases, dtype)
+    for g, r in zip(got, ref, strict=True):
+        assert torch.equal(g, r), seed
+    with pytest.raises(ValueError, match="partial sums of it"):
+        lora_decode.lora_expand_group(parts[..., :rank], b, [0.5, 2.0], bases, dtype)
+
+
 def test_grouped_expand_refuses_what_it_cannot_join():
     gen = torch.Generator().manual_seed(0)
     x = rand(gen, 4, 32)
