@@ -226,7 +226,7 @@ __host__ __device__ constexpr bool shared_x() {
 
 // A shrink block's warp: one row r of A_g over the K range [k_begin, k_end), for every
 // token, in fp32 (exact products of x's 16-bit values, fp32 sums in a fixed order). A's row
-// streams through 16 bytes a lane (4 loads in flight); x, a few KB a token, is read through
+// streams through 16 bytes a lane (2-4 loads in flight); x, a few KB a token, is read through
 // L1 by the block's four warps. Why here and not in a launch of its own: the shrink is a
 // few microseconds of a small grid that mostly waits on loads; beside the weight's blocks
 // in one launch it needs no stream of its own, no event to fork and join it, and no

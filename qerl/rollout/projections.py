@@ -76,7 +76,8 @@ def _shrink_beside_bases(parts: list[LoraParts], x2: torch.Tensor
     decode step's CUDA graph as a parallel branch), instead of before them. The side
     stream's fork and join cost 1-4 us a group (7B-14B at M = 1 on an H100)."""
     if all(isinstance(p.base, NVFP4Linear) for p in parts) and all(
-            p.a.dtype == torch.float32 and p.a.is_contiguous() for p in parts):
+            p.a.dtype == torch.float32 and p.a.is_contiguous() and p.a.data_ptr() % 16 == 0
+            for p in parts):
         fused = nvfp4_linear.grouped_partial_sums_and_shrink([p.base for p in parts], x2,
                                                              [p.a for p in parts])
         if fused is not None:
