@@ -206,15 +206,21 @@ def grouped_partials_and_shrink(x2: torch.Tensor, weights: list[Weight], k: int,
         raise QuantizationError(f"one adapter A per weight: {len(weights)} weights, "
                                 f"{len(lora_a)} adapters")
     rank = lora_a[0].shape[0]
-    for a in lora_a:
-        if (a.dtype != torch.float32 or a.shape != (rank, k) or not a.is_contiguous()
-                or a.device != x2.device or a.data_ptr() % 16):
-            raise QuantizationError(f"the in-launch shrink takes contiguous, 16-byte aligned "
-                                    f"fp32 adapters [{rank}, {k}] on {x2.device}; got "
-                                    f"{a.dtype} {tuple(a.shape)} on {a.device}")
-    if rank < 1:
-        raise QuantizationError("the in-launch shrink needs a rank of at least 1")
+    if not shrinkable(lora_a, k, x2.device):
+        got = ", ".join(f"{a.dtype} {tuple(a.shape)} on {a.device}" for a in lora_a)
+        raise QuantizationError(f"the in-launch shrink takes contiguous, 16-byte aligned "
+                                f"fp32 adapters [{rank}, {k}] (rank >= 1) on {x2.device}; "
+                                f"got {got}")
     return _launch(x2, weights, k, splits, k_warps, lora_a)
+
+
+def shrinkable(lora_a: list[torch.Tensor], k: int, device: torch.device) -> bool:
+    """Whether the adapters A_g are what the in-launch shrink reads: fp32 [R, k] of one
+    rank R >= 1, contiguous and 16-byte aligned, on ``device``."""
+    rank = lora_a[0].shape[0]
+    return rank >= 1 and all(
+        a.dtype == torch.float32 and a.shape == (rank, k) and a.is_contiguous()
+        and a.device == device and a.data_ptr() % 16 == 0 for a in lora_a)
 
 
 def _launch(x2, weights, k, splits, k_warps, lora_a):

@@ -23,7 +23,7 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from torch import nn
 from torch.nn import functional as F
 
-from qerl.kernels import lora_decode
+from qerl.kernels import lora_decode, nvfp4_gemv
 from qerl.kernels.nvfp4_matmul import interpreting
 from qerl.nn import nvfp4_linear
 from qerl.nn.nvfp4_linear import NVFP4Linear, grouped_partial_sums
@@ -75,9 +75,8 @@ def _shrink_beside_bases(parts: list[LoraParts], x2: torch.Tensor
     on a GPU it runs on a side stream beside the base projections (captured into the
     decode step's CUDA graph as a parallel branch), instead of before them. The side
     stream's fork and join cost 1-4 us a group (7B-14B at M = 1 on an H100)."""
-    if all(isinstance(p.base, NVFP4Linear) for p in parts) and all(
-            p.a.dtype == torch.float32 and p.a.is_contiguous() and p.a.data_ptr() % 16 == 0
-            for p in parts):
+    if all(isinstance(p.base, NVFP4Linear) for p in parts) and nvfp4_gemv.shrinkable(
+            [p.a for p in parts], x2.shape[1], x2.device):
         fused = nvfp4_linear.grouped_partial_sums_and_shrink([p.base for p in parts], x2,
                                                              [p.a for p in parts])
         if fused is not None:
