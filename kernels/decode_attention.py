@@ -1,9 +1,10 @@
 """Attention of one decode step over the KV cache, split over the slots ("flash-decoding").
 
 cuDNN's SDPA runs one CTA per (sequence, kv head): 64 CTAs at batch 16 for a 7B model (4 kv
-heads) on a 132-SM card, 12-25 us a layer at context 500-1300, a fraction of the bandwidth
-that reading the live keys and values needs. Here the live slots of each (sequence, kv head)
-are spread over NSPLIT programs, about 3 per SM in all, in two kernels:
+heads) on a 132-SM card, which leaves half the card idle and cannot draw the bandwidth
+that reading the keys and values needs; with a mask it also reads every slot of the cache.
+Here the live slots of each (sequence, kv head) are spread over NSPLIT programs, about 3 per
+SM in all, in two kernels:
 
     split:   program (b * KVH + kv head, split) takes the G = H / KVH query heads sharing its
              kv head (rows of one tl.dot) over its share of the live slots pad[b] .. slot,
@@ -20,12 +21,6 @@ only on (pad, slot), so every run gives the same bits.
 
 Scores are taken in base 2 (q k^T * scale * log2 e, then exp2), as flash attention does;
 the probabilities are rounded to v's dtype before p @ v, as there too.
-
-Measured on an H100 (7B, batch 16, bf16, slot 100 before the span's end, CUDA graphs, a
-layer's time): span 256 / 512 / 1280: SDPA 12.7 / 16.2 / 28.7 us, this 6.7 / 10.6 / 20.2 us
-(the combine ~1.7 of it). At 1280 the split kernel reads at 1.9 TB/s (58% of the DRAM
-peak): one partial wave (3.4 programs of 4 warps per SM) stalled on global loads; twice
-or four times the splits, 32/128-slot tiles, 2/8 warps and 1-3 stages measured the same.
 """
 
 from __future__ import annotations
@@ -134,9 +129,8 @@ def decode_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS, D: tl.constexp
 def launch_shape(span: int, rows: int, sms: int) -> tuple[int, int]:
     """(NSPLIT, BLOCK_S) for a cache of ``span`` slots and ``rows`` = B * KVH: about WAVES
     programs per SM, no more splits than 32-slot tiles of the span (nor MAX_SPLITS); 32-slot
-    tiles while a split's share of the span is at most 64 slots, where a half-empty
-    64-slot tile cost more than two 32-slot ones (7B at batch 16, span 256 on an H100: 4.8
-    against 5.5 us), else 64."""
+    tiles while a split's share of the span is at most 64 slots, where a half-empty 64-slot
+    tile costs more than two 32-slot ones, else 64."""
     splits = max(1, min(triton.cdiv(WAVES * sms, max(rows, 1)), MAX_SPLITS,
                         triton.cdiv(span, 32)))
     return splits, 32 if triton.cdiv(span, splits) <= 64 else 64
@@ -216,8 +210,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), pad.stride(0), *k_cache.stride()[:3], D=head_dim,
         G_PAD=max(16, triton.next_power_of_2(group)), BLOCK_S=block_s, FP32_DOTS=fp32_dots,
         num_warps=4, num_stages=2)
-    # A combine program holds SPLITS_PAD x D fp32: one warp up to 8 x 128 of them (1.7 us
-    # a layer at 7B batch 16 on an H100, 2.8 with four warps), more only to avoid spills.
+    # A combine program holds SPLITS_PAD x D fp32: one warp up to 8 x 128 of them (four
+    # warps were slower on so little work), more only to avoid spills.
     splits_pad = triton.next_power_of_2(nsplit)
     decode_combine_kernel[(batch * heads,)](
         m, sums, acc, out, nsplit, D=head_dim, SPLITS_PAD=splits_pad,

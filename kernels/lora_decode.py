@@ -43,7 +43,7 @@ def _shrink_one(x_ptr, a_ptr, out_ptr, M, K, R, col, k_start, k_stop, stride_xm,
     kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     # Unrolled, so that the slice's loads are all in flight at once: a runtime loop here
-    # ran one load latency per iteration (12 us for a 7B q/k/v shrink at 16 slices).
+    # waits one load latency per iteration.
     for i in tl.static_range(ITERS):
         k = k_start + i * BLOCK_K + kk
         k_ok = k < k_stop
@@ -52,8 +52,7 @@ def _shrink_one(x_ptr, a_ptr, out_ptr, M, K, R, col, k_start, k_stop, stride_xm,
         a = tl.load(a_ptr + r[:, None] * K + k[None, :], mask=(r[:, None] < R) & k_ok[None, :],
                     other=0.0)
         x = round_as(x.to(tl.float32), a.dtype)
-        # 3xTF32: fp32-accurate on the tensor cores (2-4x faster than the FMA "ieee" dot
-        # here; both within 1e-6 of a float64 reference).
+        # 3xTF32: fp32-accurate, as the FMA "ieee" dot is, but on the tensor cores.
         acc = tl.dot(x, tl.trans(a.to(tl.float32)), acc, input_precision="tf32x3")
     tl.store(out_ptr + rows[:, None] * stride_om + col + r[None, :], acc,
              mask=(rows[:, None] < M) & (r[None, :] < R))
@@ -128,12 +127,12 @@ def _expand_tile(xa_ptr, b_ptr, base_ptr, M, N, R, col, scaling, stride_xs, stri
                 other=0.0)
     if PRECISION == "16-bit":
         # 16-bit operands holding 16-bit values: exact products, fp32 sums, as the "ieee"
-        # dot below but on the tensor cores (7B gate/up expand on an H100: 9.9 -> 3.9 us).
+        # dot below but on the tensor cores.
         delta = tl.dot(xa.to(lora_dtype), tl.trans(b))
     elif PRECISION == "tf32x3":
         # fp32 adapters (PEFT's default beside a 16-bit base): fp32-accurate on the tensor
-        # cores, as the shrink. The "ieee" FMA dot took 3x as long at rank 64 (14B gate/up
-        # on an H100: 22 us, the bf16 dot 4.5).
+        # cores, as the shrink; the "ieee" FMA dot's cost grows with the rank until, at high
+        # ranks, it rivals the NVFP4 launch it follows.
         delta = tl.dot(xa, tl.trans(b), input_precision="tf32x3")
     else:
         delta = tl.dot(xa, tl.trans(b.to(tl.float32)), input_precision="ieee")
@@ -208,9 +207,8 @@ def _rank_block(rank: int) -> int:
 
 
 def _splits(k: int, group: int, device: torch.device) -> int:
-    """K slices: one program per SM in all. Each program's slice is a short serial chain
-    of loads, so more slices is faster (7B down, K = 18944, M = 1: 26 us at 16 slices,
-    6 us at 60; H200)."""
+    """K slices: one program per SM in all. A program's time is the latency of its slice's
+    loads, not their bytes, so more, shorter slices finish sooner."""
     return max(1, min(triton.cdiv(num_sms(device), group), MAX_SPLITS, triton.cdiv(k, BLOCK_K)))
 
 
@@ -235,7 +233,7 @@ def _expand_block_n(rank: int) -> int:
 
 def _shrink_warps(rank: int) -> int:
     """Above rank 32 a program's A tiles and 3xTF32 parts are twice as many registers:
-    8 warps hold them (14B at rank 64 on an H100: 5.3-8.2 us a shrink, 5.6-9.1 with 4)."""
+    8 warps hold them."""
     return 8 if rank > 32 else 4
 
 
@@ -244,8 +242,8 @@ def lora_shrink(x: torch.Tensor, a_weights: list[torch.Tensor],
     """x [M, K] and up to three A [R, K] (one rank and dtype) -> x @ A_g^T in fp32 as
     [M, len(A) * R], member g in columns g*R .. (g+1)*R. Computed over ``splits``
     slices of K (by default from the shapes) whose partial sums the kernel adds up itself:
-    an expand then reads one sum instead of every slice's (7B o_proj on an H100: 2.1 us
-    instead of 5.4)."""
+    an expand then reads one sum instead of every slice's, which every one of its programs
+    would re-read."""
     m, k = x.shape
     rank = a_weights[0].shape[0]
     if not 1 <= len(a_weights) <= 3:

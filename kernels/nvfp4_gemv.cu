@@ -1,35 +1,34 @@
 // Small-M NVFP4 matmul on tensor cores: out[S][M][N] = split-K partial sums of
 // x[M, K] @ deq(W[N, K])^T, for M <= 32 (rollout decode steps), for up to three weights
 // that read the same x side by side in N, and optionally the LoRA shrink of their fp32
-// adapters (shrink_row) in the same launch. Built and loaded by
-// nvfp4_gemv.py; the layout and the decode are the Triton kernels' (nvfp4_layout.py,
-// nvfp4_matmul.py), so both read the same packed weight.
+// adapters (shrink_row) in the same launch. Built and loaded by nvfp4_gemv.py; the layout
+// and the decode are the Triton kernels' (nvfp4_layout.py, nvfp4_matmul.py), so both read
+// the same packed weight.
 //
 // Why by hand: Triton stages W through shared memory and moves it into mma operand
-// registers, which cost ~6 instructions a weight at ~25% of bandwidth (NOTES.md). Here W is
-// mma's A operand (16 rows of W x 16 of K) and x^T its B operand (K x 8 tokens), so each
-// thread loads its own fragments with 16-byte loads straight into registers, and no layout
-// change is needed at all: mma sums over K in any order, as long as A and B agree. Thread
-// (g, t) of a warp (g = lane / 4, t = lane % 4) owns W rows g and g + 8 of its 16-row strip
-// and token g of each 8-token tile; in a quad of chunks it reads chunk p = 4q + t (32
-// weights of each row: the 16 bytes of the pair-interleaved layout, whose 16-row tiles
-// keep a strip's quad in 1 KB of memory) and the 32 activations x[token, 32p .. 32p + 31]
-// that those weights multiply. One 32-bit word of a
-// row's chunk holds codes 32p + 4w + {0..3} (L) and 32p + 16 + 4w + {0..3} (H), bytes
-// 4w..4w+3 of the pair layout with their bits shuffled (nvfp4_layout). Two mma steps
-// consume a word of row g and of row g + 8: the codes pair up with the contiguous
-// activation pairs (x words) they multiply.
+// registers; those moves, its barriers and scale loads, which Triton gives no control over,
+// bound the Triton kernel (kernels/DESIGN.md, "nvfp4_gemv"). Here W is mma's A operand (16
+// rows of W x 16 of K) and x^T its B operand (K x 8 tokens), so each thread loads its own
+// fragments with 16-byte loads straight into registers, and no layout change is needed at
+// all: mma sums over K in any order, as long as A and B agree. Thread (g, t) of a warp
+// (g = lane / 4, t = lane % 4) owns W rows g and g + 8 of its 16-row strip and token g of
+// each 8-token tile; in a quad of chunks it reads chunk p = 4q + t (32 weights of each row:
+// the 16 bytes of the pair-interleaved layout, whose 16-row tiles keep a strip's quad in
+// 1 KB of memory) and the 32 activations x[token, 32p .. 32p + 31] that those weights
+// multiply. One 32-bit word of a row's chunk holds codes 32p + 4w + {0..3} (L) and
+// 32p + 16 + 4w + {0..3} (H), bytes 4w..4w+3 of the pair layout with their bits shuffled
+// (nvfp4_layout). Two mma steps consume a word of row g and of row g + 8: the codes pair up
+// with the contiguous activation pairs (x words) they multiply.
 //
-// Where the time went (H100, 7B decode launches, ncu and variants that read W or x from
-// one place): not the bytes but the instructions around them and, above 8 rows, x's L1
-// traffic. The main loop therefore reads whole quads without bounds checks (the last,
-// partial quad has its own loop), two chunks of W stay in flight per warp in registers,
-// and above 8 rows x is staged once per block in shared memory (a quad ahead,
-// cp.async) instead of each warp loading it through L1.
+// What bounds it (shown by variants that read W or x from one place): not the bytes but the
+// instructions around them and, above 8 rows, x's L1 traffic. The main loop therefore reads
+// whole quads without bounds checks (the last, partial quad has its own loop), two chunks
+// of W stay in flight per warp in registers, and above 8 rows x is staged once per block in
+// shared memory (a quad ahead, cp.async) instead of each warp loading it through L1.
 //
 // Decode (decode_word): the layout shuffles each word's bits so that its eight codes come
 // out as four 16-bit pairs with one mask, two rotate + mask and one mask + multiply + mask
-// (8 instructions; a byte spread by prmt, then mask + multiply + mask per pair, took 14),
+// (8 instructions; a byte spread by prmt, then mask + multiply + mask per pair, is 14),
 // each a bf16 E2M1 * 2^-126; one packed multiply by the group scale (fp8 -> bf16 * 2^64,
 // exact) gives the exact weight * scale * 2^-62, and the fp32 accumulator is multiplied by
 // 2^62 / global_scale once at the end. fp16 places the magnitude at bits 9-11 (E2M1 *
@@ -185,8 +184,8 @@ struct Member {
 
 constexpr int kMaxMembers = 3;
 constexpr int kDepth = 2;    // W chunks in flight per warp (in registers)
-// x quads in shared memory per block (M > 8): the one being multiplied and the next (2, 3
-// and 4 measured the same).
+// x quads in shared memory per block (M > 8): the one being multiplied and the next (more
+// slots gained nothing).
 constexpr int kXStages = 2;
 
 struct Args {
@@ -209,16 +208,17 @@ struct Args {
 };
 
 // Blocks per SM the registers must allow: the warps in flight are what hides memory
-// latency (6/5/4 measured 3-5% faster on 7B launches than 7/6/4, which spilled).
+// latency (higher bounds spill registers, or win on some layers and lose on others).
 template <int MT>
 constexpr int min_blocks() {
   return MT == 1 ? 6 : MT == 2 ? 5 : 4;
 }
 
-// Past one 8-token tile, the x loads were what the kernel waited on: a warp's 16-byte load
-// of 8 tokens touches 16 cache lines (the four threads of a token read 64 bytes apart), so
-// at M = 16 the L1 spent 4x W's time on x. There the block's four warps (each its own
-// strip, one K range) share x staged once in shared memory, read back conflict-free.
+// Past one 8-token tile, x loaded by every warp through L1 bounds the kernel: a warp's
+// 16-byte load of 8 tokens touches 16 cache lines (the four threads of a token read 64 bytes
+// apart), and each tile adds another such load per weight fragment. There the block's four
+// warps (each its own strip, one K range) share x staged once in shared memory, read back
+// conflict-free.
 template <int MT>
 __host__ __device__ constexpr bool shared_x() {
   return MT > 1;
@@ -228,9 +228,9 @@ __host__ __device__ constexpr bool shared_x() {
 // token, in fp32 (exact products of x's 16-bit values, fp32 sums in a fixed order). A's row
 // streams through 16 bytes a lane (2-4 loads in flight); x, a few KB a token, is read through
 // L1 by the block's four warps. Why here and not in a launch of its own: the shrink is a
-// few microseconds of a small grid that mostly waits on loads; beside the weight's blocks
-// in one launch it needs no stream of its own, no event to fork and join it, and no
-// counter to add its K slices up (the expand adds them, as it adds the weight's).
+// small grid that mostly waits on loads; beside the weight's blocks in one launch it needs
+// no stream of its own, no event to fork and join it, and no counter to add its K slices
+// up (the expand adds them, as it adds the weight's).
 template <bool BF16, int MT>
 __device__ __forceinline__ void shrink_row(const Args& a, int g, int r, int split, int k_begin,
                                            int k_end, int lane) {
@@ -361,8 +361,9 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<MT>())
   // Shared x (M > 8): the block's threads copy quad q of x (every token tile's 8 rows,
   // 128 columns; columns past K zero-filled) into its slot; then, before a quad is
   // multiplied, wait for its copy and start the one kXStages - 1 quads ahead (the barrier
-  // also tells that every warp is done with the slot being refilled). An unrolled copy
-  // with its addresses set up once: 4% faster at M = 16 than a loop over the pieces.
+  // also tells that every warp is done with the slot being refilled). The copy is unrolled,
+  // its addresses set up once: above 8 rows the loop is issue-bound, so every instruction
+  // of it counts.
   // Thread i copies piece i % 16 of tokens i / 16 + 8j (j < MT): the same piece and token
   // parity (so the same swizzle) for every j.
   const int piece = threadIdx.x & 15, tok0 = threadIdx.x >> 4;

@@ -4,8 +4,9 @@ architecture with nvcc, loads it with ctypes and launches it on torch's current 
 
 Rollouts decode a handful of tokens at a time: there the matmul reads the 4-bit weight
 once and does little else, so its speed is the speed of the weight read and the decode.
-The Triton kernel (nvfp4_matmul.py) reached 0.84-1.02x of cuBLAS BF16 there; this one
-loads each thread's tensor-core fragments straight into registers (kernels/NOTES.md).
+The Triton kernel (nvfp4_matmul.py) moves W through shared memory into operand registers,
+and those instructions, not the bytes, bound it; this one loads each thread's tensor-core
+fragments straight into registers (kernels/DESIGN.md, "nvfp4_gemv").
 
 The build lands in ``$QERL_CACHE`` (default ``~/.cache/qerl``)/kernels, named by a hash of
 the source, the architecture and nvcc's version, written atomically; a failed build says
@@ -147,14 +148,13 @@ def launch_shape(m: int, n: int, k: int, num_sms: int) -> tuple[int, int]:
     """(splits, k_warps): blocks split K (``splits``, fp32 partials) until the GPU holds
     about as many warps as it runs at once. Up to 8 rows, 4 warps per 16 rows are counted
     and the target is 32 warps per SM (at ~24 resident, two waves or more keep the last one
-    short); within a block, 4 warps split K where that alone fills the GPU, else 2 (on an
-    H100, 7B-32B layers at M = 1-8: qkv, o and down ran 5-25% faster with 2 at the same
-    splits, gate_up 10-20% slower), and never more warps than quads of chunks (128 weights
-    of K) to share. Above 8 rows the block's warps share x and so one K range (k_warps =
-    1, a warp per 16 rows) and splits fill ~16 warps per SM: on 7B layers at M = 16 within
-    4% of the best of 1-16 splits, and fewer partials for the consumer to add than 20.
-    (More splits at M = 1, k_warps = 1, made the kernel 8% faster and the LoRA expand,
-    which adds the partials, as much slower: 4.70 ms a 7B step either way.)"""
+    short); within a block, 4 warps split K where there is one split (the strips alone fill
+    the GPU, as a wide gate_up does, or K is short), else 2 (the narrower layers that need
+    splits run faster so), and never more warps than quads of chunks (128 weights of K) to
+    share. Above 8 rows the block's warps share x and so one K range (k_warps = 1, a warp
+    per 16 rows) and splits fill ~16 warps per SM: near the best split count, with few
+    partials for the consumer to add. (More splits at M = 1 speed the kernel up and slow
+    the LoRA expand, which adds the partials, by as much.)"""
     quads = -(-k // 128)
     if m > SHARED_X_ABOVE:
         return max(1, min(-(-16 * num_sms // -(-n // 16)), MAX_SPLITS, quads)), 1

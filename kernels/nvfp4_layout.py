@@ -8,9 +8,9 @@ nibbles. The kernels want each nibble of a 16-byte chunk to be one whole group:
 
 so that the low nibbles of chunk p are group 2p and the high nibbles group 2p + 1. Both
 halves then decode elementwise, straight into a tensor-core operand, each with one scale,
-and multiply contiguous activations: on an H200 this ran the fused forward 1.7x faster than
-the compressed-tensors order, which has to split the activations into even and odd columns
-and pick a scale per weight (kernels/NOTES.md).
+and multiply contiguous activations. The compressed-tensors order would make a kernel split
+the activations into even and odd columns and pick a scale per weight (kernels/DESIGN.md,
+"nvfp4_layout").
 
 The chunks are stored in tiles of 16 rows by four chunks (64 bytes, 128 weights), each
 tile's 1 KB contiguous, tiles in row-major order:
@@ -19,23 +19,22 @@ tile's 1 KB contiguous, tiles in row-major order:
 
 which is exactly what one warp of the CUDA kernel reads per step (its 16-row strip, four
 chunks): 512 contiguous bytes per load instruction instead of 64 bytes from each of 8 rows.
-On an H100 that made a 7B layer's matmuls 8% faster at M = 1 (75.4 -> 69.7 us) and 4% at
-M = 16 (kernels/NOTES.md). Rows past N and weights past K (N rounded up to 16, K to 128)
-hold zero codes.
+Rows past N and weights past K (N rounded up to 16, K to 128) hold zero codes.
 
 Last, the bits of each 32-bit word (bytes 4w .. 4w + 3 of a chunk, little-endian) are
-shuffled so that a kernel turns a word into four bf16 pairs with 8 instructions instead
-of 14 (the CUDA kernel and the Triton ones decode words so): its eight codes L0-L3 (low
-nibbles, weights 32p + 4w + i) and H0-H3 (high nibbles, 32p + 16 + 4w + i) sit where
+shuffled so that a kernel (the CUDA one and the Triton ones) turns a word into four bf16
+pairs with 8 instructions, where a byte-wise decode of unshuffled nibbles takes 14: its eight
+codes L0-L3 (low nibbles, weights 32p + 4w + i) and H0-H3 (high nibbles, 32p + 16 + 4w + i)
+sit where
 
     (L0, L1) = w & M              (L2, L3) = rotl(w, 10) & M
     (H0, H1) = rotl(w, 13) & M    (H2, H3) = ((w & 0x001B001B) * 0x1084) & M
 
 put each code's magnitude at bits 6-8 and its sign at bit 15 of a 16-bit half (M =
 0x81C081C0: the E2M1 value * 2^-126 as bf16). A search over rotations, byte permutes and
-multiply-by-shifted-copies found no cheaper cover of the word (kernels/NOTES.md, Round 7).
-The permutation is done once, when a layer is built; it is exact and reversible
-(``from_pairs``). The scales keep the checkpoint's [N, K/16] layout.
+multiply-by-shifted-copies found no cheaper cover of the word (kernels/DESIGN.md,
+"nvfp4_layout"). The permutation is done once, when a layer is built; it is exact and
+reversible (``from_pairs``). The scales keep the checkpoint's [N, K/16] layout.
 """
 
 from __future__ import annotations

@@ -6,11 +6,7 @@ into two tensor-core operands of K = 16 with one scale each. Triton stages the p
 through shared memory and decodes each word as the CUDA kernel does (the layout shuffles its
 bits for that decode), already in the mma operand layout: a word holds four consecutive k of
 each group, which is what one thread holds of a 16-bit operand (kWidth = 4), so the forward
-assembles its operands in registers. For sm_90 the M = 16 launches compile to 735 (forward)
-and 719 (backward) SASS instructions with this decode, 1031 and 2177 undoing the shuffle and
-decoding bytes, 815 and 1082 before the shuffle; on an H100 the forward of a 18944 x 3584
-weight at M = 16 took 38 us (ncu; 44 us before the shuffle) and its dequantize 71 us (69
-before, 80 undoing the shuffle).
+assembles its operands in registers with no layout conversion.
 
 Decoding (inline PTX, one word per call): the word masked, rotated or spread by a multiply
 leaves four pairs of codes, each code's three magnitude bits in the exponent/mantissa of a
@@ -24,10 +20,13 @@ equals the float64 reference to fp32 accumulation error. Triton's CPU interprete
 wrongly, so there (``ASM`` False) the same loop decodes in Triton's integer ops and fp32
 arithmetic, as the dequantize kernel always does.
 
-Paths by M (rows of activations), from H200 and H100 sweeps (kernels/NOTES.md): on a GPU
-the CUDA kernel (nvfp4_gemv.cu) up to CUDA_MAX_M, where it builds; the fused Triton kernels
-up to FUSED_MAX_M; beyond, ``nvfp4_dequant_kernel`` decodes W once and cuBLAS multiplies,
-which measured faster from M = 64 on (the fused kernels decode each W tile once per M tile).
+Paths by M (rows of activations; kernels/DESIGN.md, "Paths by M"): on a GPU the forward
+runs the CUDA kernel (nvfp4_gemv.cu) up to CUDA_MAX_M, where it builds; other forwards and
+the input gradient run the fused Triton kernels up to FUSED_MAX_M; beyond,
+``nvfp4_dequant_kernel`` decodes W once and cuBLAS multiplies. The fused kernels decode each
+W tile once per M tile, so as M grows the decode, not the weight's bytes, sets their time;
+where one decode plus cuBLAS wins is measured by ``qerl bench kernel-paths``
+(results/bench/kernel_paths_*.csv).
 Fused launches split the reduction (``SPLIT_K``, fp32 partials [SPLIT_K, M, cols] summed by
 the wrapper) until the grid fills the GPU (``launch_config``).
 """
@@ -306,14 +305,14 @@ def nvfp4_dequant_kernel(words_ptr, scale_ptr, global_scale_ptr, out_ptr, N, K,
 
 # ---- launch wrappers: check inputs, pick the path by M -----------------------------------
 
-# Largest M run by the fused kernels; module-level so that a benchmark sweep can move it.
-FUSED_MAX_M = 32
-# The fused forward on a GPU: "cuda" (nvfp4_gemv.cu, where it builds) up to CUDA_MAX_M rows,
-# else "triton"; module-level so that a benchmark can time both in one run. On an H100 the
-# CUDA kernel (x shared in shared memory above 8 rows) won every 7B layer up to M = 32:
-# 1.14-1.31x the Triton kernel at M = 24-32 (results/bench/kernels_NVIDIA_H100_80GB_HBM3.csv).
-FORWARD_KERNEL = "cuda"
+# Which kernel multiplies M rows by the weight (the crossovers come from `qerl bench
+# kernel-paths`): the CUDA kernel (nvfp4_gemv.cu, where it builds) up to CUDA_MAX_M rows, the
+# fused Triton kernels up to FUSED_MAX_M, beyond that W decoded once and cuBLAS's GEMM. A
+# caller (a benchmark timing one path against another) may name the path instead.
 CUDA_MAX_M = 32
+FUSED_MAX_M = 32
+FORWARD_PATHS = ("cuda", "triton", "dequant")
+GRAD_INPUT_PATHS = ("triton", "dequant")
 
 
 def interpreting() -> bool:
@@ -364,8 +363,8 @@ class LaunchConfig:
 
 
 def launch_config(op: str, m: int, n: int, k: int, num_sms: int) -> LaunchConfig:
-    """Tiles of a fused launch (op: fwd | bwd) for an M x K by (N, K) weight problem, from
-    H200 sweeps (kernels/NOTES.md). Forward: 128 rows of W by 2 chunks per iteration, 4
+    """Tiles of a fused launch (op: fwd | bwd) for an M x K by (N, K) weight problem, as
+    sweeps chose them (kernels/DESIGN.md). Forward: 128 rows of W by 2 chunks per iteration, 4
     warps, 4 programs per SM. Backward: a program's output is only BLOCK_M x 32, which
     Triton would replicate over 4 warps, so it gets one warp per 16 rows of M and 16 warps
     per SM in all."""
@@ -377,8 +376,8 @@ def launch_config(op: str, m: int, n: int, k: int, num_sms: int) -> LaunchConfig
         block_c, pairs, warps = 64, 1, block_m // 16
         per_sm = 16 // warps
         tiles, chunks = triton.cdiv(k, 32), triton.cdiv(n, block_c)
-    # At most MAX_SPLIT_K: measured no slower than the 19-56 splits it replaced (7B q, k,
-    # down at M = 1-32), and a consumer of the partials can sum them unrolled.
+    # At most MAX_SPLIT_K: no slower than more splits, and a consumer of the partials can
+    # sum them unrolled.
     split = max(1, min(chunks, triton.cdiv(per_sm * num_sms, tiles), MAX_SPLIT_K))
     return LaunchConfig(block_m, block_c, pairs, split, num_warps=warps,
                         num_stages=4 if op == "fwd" else 3)
@@ -390,16 +389,34 @@ def _kernel_flags(dtype: torch.dtype) -> dict:
     return {"ASM": asm, "BF16": dtype == torch.bfloat16, "PRE": pre, "POST": post}
 
 
-def _cuda_forward(x2: torch.Tensor) -> bool:
-    """Whether a forward of the rows x2 runs the CUDA kernel (see FORWARD_KERNEL)."""
-    return (FORWARD_KERNEL == "cuda" and x2.shape[0] <= CUDA_MAX_M and x2.is_cuda
-            and gemv.available(x2.device))
+def forward_path(x2: torch.Tensor) -> str:
+    """The forward path of the rows x2 [M, K] (see FORWARD_PATHS)."""
+    m = x2.shape[0]
+    if m <= CUDA_MAX_M and x2.is_cuda and gemv.available(x2.device):
+        return "cuda"
+    return "triton" if m <= FUSED_MAX_M else "dequant"
+
+
+def grad_input_path(dy2: torch.Tensor) -> str:
+    """The input gradient's path of the rows dy2 [M, N] (see GRAD_INPUT_PATHS)."""
+    return "triton" if dy2.shape[0] <= FUSED_MAX_M else "dequant"
+
+
+def _checked_path(path: str | None, auto, a2: torch.Tensor, paths: tuple[str, ...]) -> str:
+    if path is None:
+        return auto(a2)
+    if path not in paths:
+        raise QuantizationError(f"unknown path {path!r}; choose one of {', '.join(paths)}")
+    if path == "cuda" and not (a2.shape[0] <= gemv.MAX_M and a2.is_cuda
+                               and gemv.available(a2.device)):
+        raise QuantizationError(f"the CUDA kernel runs 1 to {gemv.MAX_M} rows on a GPU where "
+                                f"it builds; got {a2.shape[0]} rows on {a2.device}")
+    return path
 
 
 def _fused(op: str, a2, n: int, k: int, pairs, scale, global_scale, bias=None):
+    """The Triton kernel's split-K partial sums [S, M, cols] of op (fwd | bwd)."""
     m = a2.shape[0]
-    if op == "fwd" and _cuda_forward(a2):
-        return gemv.partials(a2, pairs, scale, global_scale, bias, n, k)
     cfg = launch_config(op, m, n, k, num_sms(a2.device))
     cols = n if op == "fwd" else k
     out_dtype = torch.float32 if cfg.split_k > 1 else a2.dtype
@@ -440,9 +457,11 @@ def dequantize(pairs: torch.Tensor, scale: torch.Tensor, global_scale: torch.Ten
 
 
 def nvfp4_linear(x: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
-                 global_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+                 global_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 path: str | None = None) -> torch.Tensor:
     """y[..., N] = x[..., K] @ deq(W)^T + bias, fp32 accumulation, in x's dtype; W given
-    pair-interleaved (nvfp4_layout.to_pairs)."""
+    pair-interleaved (nvfp4_layout.to_pairs). ``path`` (FORWARD_PATHS) forces a kernel;
+    by default ``forward_path`` picks it by M."""
     n, k = _check(x, pairs, scale, global_scale, "x")
     if bias is not None and (bias.shape != (n,) or bias.device != x.device):
         raise QuantizationError(f"bias must have shape ({n},) on {x.device}, got "
@@ -450,13 +469,15 @@ def nvfp4_linear(x: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
     x2 = x.reshape(-1, k).contiguous()
     if x2.shape[0] == 0:
         return x.new_empty((*x.shape[:-1], n))
-    if x2.shape[0] > FUSED_MAX_M:  # compute-bound: decode W once, then the BF16 GEMM
+    path = _checked_path(path, forward_path, x2, FORWARD_PATHS)
+    if path == "dequant":  # compute-bound: decode W once, then the BF16 GEMM
         w = dequantize(pairs, scale, global_scale, x.dtype)
         y = torch.nn.functional.linear(x2, w, bias)
         # Not even a same-shape view for 2-D x: a LoRA layer adds its adapter to it in place.
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
-    return _reduced(_fused("fwd", x2, n, k, pairs, scale, global_scale, bias),
-                    x.dtype).reshape(*x.shape[:-1], n)
+    partials = (gemv.partials(x2, pairs, scale, global_scale, bias, n, k) if path == "cuda"
+                else _fused("fwd", x2, n, k, pairs, scale, global_scale, bias))
+    return _reduced(partials, x.dtype).reshape(*x.shape[:-1], n)
 
 
 def nvfp4_linear_partials(x2: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
@@ -477,6 +498,8 @@ def nvfp4_linear_grouped_partials(x2: torch.Tensor, weights: list[tuple]) -> lis
     k = x2.shape[1]
     if _one_launch(x2, weights):
         return _columns(gemv.grouped_partials(x2, _members(weights, shapes), k), shapes)
+    if forward_path(x2) == "cuda":
+        return [gemv.partials(x2, *w, n, k) for w, (n, _) in zip(weights, shapes, strict=True)]
     return [_fused("fwd", x2, n, k, *w) for w, (n, _) in zip(weights, shapes, strict=True)]
 
 
@@ -503,7 +526,7 @@ def _check_group(x2: torch.Tensor, weights: list[tuple]) -> list[tuple[int, int]
 
 
 def _one_launch(x2: torch.Tensor, weights: list[tuple]) -> bool:
-    return len(weights) <= gemv.MAX_MEMBERS and _cuda_forward(x2)
+    return len(weights) <= gemv.MAX_MEMBERS and forward_path(x2) == "cuda"
 
 
 def _members(weights: list[tuple], shapes: list[tuple[int, int]]) -> list[gemv.Weight]:
@@ -517,13 +540,15 @@ def _columns(out: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Ten
 
 
 def nvfp4_linear_grad_input(dy: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
-                            global_scale: torch.Tensor) -> torch.Tensor:
-    """dx[..., K] = dy[..., N] @ deq(W): the input gradient of a frozen NVFP4 Linear."""
+                            global_scale: torch.Tensor, path: str | None = None
+                            ) -> torch.Tensor:
+    """dx[..., K] = dy[..., N] @ deq(W): the input gradient of a frozen NVFP4 Linear.
+    ``path`` (GRAD_INPUT_PATHS) forces a kernel; by default ``grad_input_path`` picks it."""
     n, k = _check(dy, pairs, scale, global_scale, "dy")
     dy2 = dy.reshape(-1, n).contiguous()
     if dy2.shape[0] == 0:
         return dy.new_empty((*dy.shape[:-1], k))
-    if dy2.shape[0] > FUSED_MAX_M:
+    if _checked_path(path, grad_input_path, dy2, GRAD_INPUT_PATHS) == "dequant":
         w = dequantize(pairs, scale, global_scale, dy.dtype)
         return (dy2 @ w).reshape(*dy.shape[:-1], k)
     return _reduced(_fused("bwd", dy2, n, k, pairs, scale, global_scale),

@@ -2,9 +2,9 @@
 
 Torch computes a 16-bit op in fp32 and rounds its result; matching it bit for bit means
 rounding where it does. A ``x.to(tl.bfloat16).to(tl.float32)`` round trip does not
-survive compilation (measured: 22% of a rotary's outputs one ulp off on an H200, as if
-the intermediate roundings were dropped), so bf16 is rounded with integer operations —
-round to nearest even on the upper 16 bits — which no float simplification touches.
+survive compilation (a rotary written so lands one ulp off torch in many outputs, as if the
+intermediate roundings were dropped), so bf16 is rounded with integer operations — round to
+nearest even on the upper 16 bits — which no float simplification touches.
 """
 
 import triton

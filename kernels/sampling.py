@@ -2,8 +2,8 @@
 
 torch's way (``log_softmax``, ``softmax``, ``multinomial``, ``gather``) is ~20 kernels over
 [B, V] in fp32; at a decode step's few rows its softmaxes run one block per row (16 blocks
-on 132 SMs at batch 16): 0.2-0.4 ms a step, 4-8% of a 7B rollout. Here the vocabulary is
-split over many programs:
+on 132 SMs at batch 16), so most of the card idles while they read the logits. Here the
+vocabulary is split over many programs:
 
     partial: per (row, slice of V) the running max and sum of exp of logits / T (online
              log-sum-exp), and the slice's winner of an exponential race: the argmax of

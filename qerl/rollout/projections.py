@@ -70,11 +70,11 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 def _shrink_beside_bases(parts: list[LoraParts], x2: torch.Tensor
                          ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The LoRA shrink and the base projections of one group. Both only read x2, and the
-    shrink is a few microseconds of a small grid that mostly waits: NVFP4 bases with fp32
-    adapters (PEFT's default) run it inside their own launch (its blocks first); otherwise
-    on a GPU it runs on a side stream beside the base projections (captured into the
-    decode step's CUDA graph as a parallel branch), instead of before them. The side
-    stream's fork and join cost 1-4 us a group (7B-14B at M = 1 on an H100)."""
+    shrink is a small grid that mostly waits on loads: NVFP4 bases with fp32 adapters
+    (PEFT's default) run it inside their own launch (its blocks first), which saves the
+    side stream's fork and join; otherwise on a GPU it runs on a side stream beside the base
+    projections (captured into the decode step's CUDA graph as a parallel branch), instead
+    of before them."""
     if all(isinstance(p.base, NVFP4Linear) for p in parts) and nvfp4_gemv.shrinkable(
             [p.a for p in parts], x2.shape[1], x2.device):
         fused = nvfp4_linear.grouped_partial_sums_and_shrink([p.base for p in parts], x2,

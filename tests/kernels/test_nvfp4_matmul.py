@@ -111,6 +111,40 @@ def test_bad_inputs_are_named():
     assert torch.allclose(km.nvfp4_linear(xt, pairs, scale, gs), ref, rtol=2e-2, atol=1e-2)
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_named_path_runs_where_the_automatic_choice_would_not(poisoned, dtype):
+    """Benchmarks time one path against another at the same M: each named path gives the
+    float64 result there too."""
+    seed = fresh_seed()
+    q, w4, x, bias, dy = make(40, 272, (5,), dtype, seed, device())
+    w = nvfp4.dequantize(q, torch.float64)
+    tol = 8e-3 if dtype == torch.bfloat16 else 1.5e-3
+    forward = [p for p in km.FORWARD_PATHS
+               if p != "cuda" or km.forward_path(x) == "cuda"]
+    assert {"triton", "dequant"} <= set(forward)
+    for path in forward:
+        y = km.nvfp4_linear(x, *w4, bias, path=path)
+        assert rel_err(y, x.double() @ w.T + bias.double()) < tol, f"{path}, seed {seed}"
+    for path in km.GRAD_INPUT_PATHS:
+        dx = km.nvfp4_linear_grad_input(dy, *w4, path=path)
+        assert rel_err(dx, dy.double() @ w) < tol, f"{path}, seed {seed}"
+
+
+@needs_kernels
+def test_paths_are_chosen_by_m_and_bad_names_refused():
+    _, w4, x, _, dy = make(32, 64, (40,), torch.bfloat16, 0, device())
+    assert km.forward_path(x) == "dequant" and km.grad_input_path(dy) == "dequant"
+    assert km.forward_path(x[:km.FUSED_MAX_M]) in ("cuda", "triton")
+    assert km.grad_input_path(dy[:km.FUSED_MAX_M]) == "triton"
+    with pytest.raises(QuantizationError, match="unknown path 'fast'; choose one of cuda"):
+        km.nvfp4_linear(x, *w4, path="fast")
+    with pytest.raises(QuantizationError, match="unknown path 'cuda'; choose one of triton"):
+        km.nvfp4_linear_grad_input(dy, *w4, path="cuda")
+    with pytest.raises(QuantizationError, match="the CUDA kernel runs 1 to 32 rows"):
+        km.nvfp4_linear(x, *w4, path="cuda")  # 40 rows
+
+
 @pytest.mark.skipif(torch.cuda.is_available() or km.interpreting(),
                     reason="checks a CPU-only machine without the interpreter")
 def test_cpu_tensors_without_interpreter_point_to_the_reference():
