@@ -14,9 +14,10 @@
 #
 # Layout: /opt/venv (qerl, Snakemake; on PATH) from requirements/main.txt; side environments
 # /opt/envs/{lm-eval,lighteval,llmcompressor} from workflows/envs/NAME.txt, each its own venv
-# (their pins clash with the main one's); the repository in /workspace, qerl installed from it
-# in editable mode. requirements/constraints.txt pins what the frozen sets leave out: the
-# CUDA packages of the torch wheel, and setuptools.
+# (their pins clash with the main one's); the repository in /workspace (the workflow's rules,
+# configurations and tests), qerl installed from it as users install it (not editable).
+# requirements/constraints.txt pins what the frozen sets leave out: the CUDA packages of the
+# torch wheel, and setuptools.
 #
 # CUDA: PyPI's torch 2.13.0 Linux wheel is the CUDA 13.0 build and brings its own CUDA
 # libraries as pip packages; the base image's CUDA matches it, so a host driver too old for
@@ -74,12 +75,13 @@ RUN python3 -m venv /opt/venv \
     && pip install --no-cache-dir --no-build-isolation \
         -r requirements/main.txt -c requirements/constraints.txt
 
-# The repository, and qerl itself from it (its dependencies are all in main.txt); then its
-# CUDA kernel for Ampere, Ada, Hopper and Blackwell (no GPU needed to build), so that a
-# container's first rollout does not wait for nvcc.
+# The repository, and qerl itself from it (its dependencies are all in main.txt); then the
+# installed package's CUDA kernel (-P: not the source tree in the working directory) for
+# Ampere, Ada, Hopper and Blackwell (no GPU needed to build), so that a container's first
+# rollout does not wait for nvcc.
 ENV CUDA_HOME=/usr/local/cuda QERL_CACHE=/opt/qerl-cache
 COPY . /workspace
-RUN pip install --no-cache-dir --no-deps --no-build-isolation -e /workspace \
-    && python3 -m qerl.kernels.nvfp4_gemv 80 86 89 90 100 120
+RUN pip install --no-cache-dir --no-deps --no-build-isolation /workspace \
+    && python3 -P -m qerl.kernels.nvfp4_gemv 80 86 89 90 100 120
 
 CMD ["snakemake", "--cores", "all"]

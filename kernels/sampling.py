@@ -101,17 +101,18 @@ def sample_combine_kernel(logits_ptr, max_ptr, sum_ptr, key_ptr, index_ptr, toke
     tl.store(logprob_ptr + row, x - lse)
 
 
-def _slices(rows: int, vocab: int, device: torch.device) -> int:
-    """Vocabulary slices per row: ~4 programs per SM in all, each at least one BLOCK."""
-    return max(1, min(MAX_SLICES, 4 * num_sms(device) // rows, triton.cdiv(vocab, BLOCK)))
+def _slices(rows: int, vocab: int, device: torch.device, block: int) -> int:
+    """Vocabulary slices per row: ~4 programs per SM in all, each at least one block."""
+    return max(1, min(MAX_SLICES, 4 * num_sms(device) // rows, triton.cdiv(vocab, block)))
 
 
 def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None,
-           slices: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           slices: int | None = None, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] -> (tokens [B] int64, log-probabilities [B] fp32) drawn from
     softmax(logits / temperature) (greedy at temperature 0); the log-probability is
     log_softmax(logits / temperature) at the token (plain log_softmax when greedy).
-    ``slices`` of the vocabulary per row: by default ~4 programs per SM in all."""
+    ``slices`` of the vocabulary per row: by default ~4 programs per SM in all, each
+    walking its slice ``block`` logits at a time (a power of two)."""
     if logits.dim() != 2 or logits.shape[0] == 0 or logits.shape[1] == 0:
         raise ValueError(f"logits must be [rows, vocab] with both > 0, got "
                          f"{tuple(logits.shape)}")
@@ -119,9 +120,11 @@ def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator 
         raise ValueError("the vocabulary dim of the logits must be contiguous")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block must be a power of two, got {block}")
     rows, vocab = logits.shape
-    slices = slices or _slices(rows, vocab, logits.device)
-    per_slice = triton.cdiv(triton.cdiv(vocab, slices), BLOCK) * BLOCK
+    slices = slices or _slices(rows, vocab, logits.device, block)
+    per_slice = triton.cdiv(triton.cdiv(vocab, slices), block) * block
     slices = triton.cdiv(vocab, per_slice)  # none empty
     greedy = temperature == 0
     # The key of the noise: drawn on the device from the caller's generator (or torch's
@@ -132,7 +135,7 @@ def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator 
     index = torch.empty((rows, slices), dtype=torch.int32, device=logits.device)
     sample_partial_kernel[(rows, slices)](
         logits, seed, maxes, sums, keys, index, vocab, logits.stride(0), float(temperature),
-        per_slice, GREEDY=greedy, BLOCK=BLOCK, ITERS=per_slice // BLOCK, num_warps=4)
+        per_slice, GREEDY=greedy, BLOCK=block, ITERS=per_slice // block, num_warps=4)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
     sample_combine_kernel[(rows,)](

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Literal, get_args, get_origin
 
 from qerl.errors import QerlError
+from qerl.methods import METHODS
 
 
 def _default_device() -> str:
@@ -36,8 +38,8 @@ def _quantize(args: argparse.Namespace) -> None:
 
 
 BENCHMARKS = {
-    "kernels": "qerl.kernels.bench_nvfp4_matmul",
-    "kernel-paths": "qerl.kernels.sweep_nvfp4_matmul",
+    "kernels": "qerl.bench.kernels",
+    "kernel-paths": "qerl.bench.kernel_paths",
     "quantize": "qerl.bench.quantize",
     "fidelity": "qerl.bench.fidelity",
     "memory": "qerl.bench.memory",
@@ -92,11 +94,10 @@ def _pairs(items: list[str], what: str) -> dict[str, str]:
 def _eval(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from qerl.eval.run import EvalSettings, evaluate
+    from qerl.eval.run import evaluate
+    from qerl.eval.settings import EvalSettings
 
-    settings = EvalSettings(samples=args.samples, temperature=args.temperature,
-                            top_p=args.top_p, max_tokens=args.max_tokens, batch=args.batch,
-                            seed=args.seed, backend=args.backend)
+    settings = EvalSettings(**{name: getattr(args, name) for name in EvalSettings.model_fields})
     fields = _pairs(args.fields.split(","), "--fields") if args.fields else None
     rows = evaluate(args.model, args.bench.split(","), Path(args.out), settings,
                     adapter=args.adapter, method=args.method, tokenizer=args.tokenizer,
@@ -117,9 +118,9 @@ def _eval_import(args: argparse.Namespace) -> None:
 def _report(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from qerl.report.run import PAPER, report
+    from qerl.report.run import report
 
-    written = report(Path(args.results), Path(args.paper or PAPER),
+    written = report(Path(args.results), Path(args.paper) if args.paper else None,
                      Path(args.check) if args.check else None)
     print(json.dumps(written, indent=2, default=str))
 
@@ -144,12 +145,25 @@ def _export(args: argparse.Namespace) -> None:
 def _adapter_args(parser: argparse.ArgumentParser) -> None:
     """--adapter and --method, as eval and export read a trained policy."""
     parser.add_argument("--adapter", help="a trained adapter directory (qerl train's final/)")
-    parser.add_argument("--method", choices=["qerl", "lora", "qlora", "full"],
+    parser.add_argument("--method", choices=METHODS,
                         help="default: qerl for an NVFP4 checkpoint, lora with --adapter, "
                              "else full")
 
 
+def _settings_args(parser: argparse.ArgumentParser, settings) -> None:
+    """An option per field of a Settings model, its default and choices read from there."""
+    for name, field in settings.model_fields.items():
+        choices = get_args(field.annotation) if get_origin(field.annotation) is Literal else None
+        kind = type(field.default)
+        help_text = f"{field.description}; " if field.description else ""
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=field.default,
+                            type=None if choices else kind, choices=choices,
+                            help=f"{help_text}default: {field.default}")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from qerl.eval.settings import BENCHES, EvalSettings
+
     parser = argparse.ArgumentParser(prog="qerl", description=__doc__)
     verbs = parser.add_subparsers(dest="verb", required=True)
 
@@ -189,21 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", required=True, help="model directory, hub id, .gguf or NVFP4 "
                                                   "checkpoint")
     _adapter_args(e)
-    e.add_argument("--bench", default="gsm8k,math500",
+    e.add_argument("--bench", default=",".join(BENCHES),
                    help="comma-separated: gsm8k, math500, aime24, aime25, amc23, or "
                         "arithmetic-1..5 (the procedural task's held-out draw)")
     e.add_argument("--data", action="append", default=[], metavar="BENCH=FILE",
                    help="a local file for a benchmark (repeatable)")
     e.add_argument("--fields", help="its columns, e.g. question=problem,answer=solution")
-    e.add_argument("--samples", type=int, default=1, help="answers per problem (k)")
-    e.add_argument("--temperature", type=float, default=0.6)
-    e.add_argument("--top-p", type=float, default=0.95)
-    e.add_argument("--max-tokens", type=int, default=4096)
-    e.add_argument("--batch", type=int, default=64, help="sequences per engine call")
+    _settings_args(e, EvalSettings)
     e.add_argument("--limit", type=int, help="only the first N problems of each benchmark")
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--backend", choices=["embedded", "vllm"], default="embedded",
-                   help="vllm: when installed, for qerl and lora policies")
     e.add_argument("--tokenizer", help="tokenizer directory or hub id, if not the model's")
     e.add_argument("--device", help="default: cuda if available, else cpu")
     e.add_argument("--out", required=True, help="output directory")
@@ -238,13 +245,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = verbs.add_parser(
         "report", help="tables and figures of the results, the paper's numbers beside them",
-        description="Reads RESULTS/{eval,train,bench} as the workflow writes them; writes "
-                    "RESULTS/tables/*.md|csv (values.csv: every number, one per row) and "
-                    "RESULTS/figures/*.png.")
+        description="Reads RESULTS/{eval,train,science,bench} as the workflow writes them; "
+                    "writes RESULTS/tables/*.md|csv (values.csv: every number, one per row) "
+                    "and RESULTS/figures/*.png, and names any file under RESULTS that no "
+                    "table reads.")
     r.add_argument("--results", default="results", help="results folder (default: results)")
-    r.add_argument("--paper", help="the paper's numbers (default: results/reference/paper.csv)")
+    r.add_argument("--paper", help="the paper's numbers (default: the copy qerl ships)")
     r.add_argument("--check", help="expected values (key,value,tolerance): exit 2 if any "
-                                   "reproduced value is missing or drifted past its tolerance")
+                                   "reproduced value is missing or drifted past its tolerance, "
+                                   "or a file under RESULTS is read by no table")
     r.set_defaults(run=_report)
 
     b = verbs.add_parser("bench", help="run a benchmark; results go to results/bench/",
@@ -257,11 +266,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pydantic import ValidationError
+
+    from qerl.settings import describe
+
     args = build_parser().parse_args(argv)
     try:
         args.run(args)
     except QerlError as e:
         print(f"qerl {args.verb}: error: {e}", file=sys.stderr)
+        return 2
+    except ValidationError as e:  # settings given on the command line
+        print(f"qerl {args.verb}: error: {e.title}: {describe(e)}", file=sys.stderr)
         return 2
     return 0
 

@@ -4,7 +4,8 @@ Unknown keys, wrong types and impossible combinations are refused with the key's
 (``rl.num_generations: ...``). Defaults are the original's DAPO-style GSM8K run
 (DESIGN: beta 0, epsilon 0.2 / 0.28, token-level loss, truncated completions masked,
 LoRA r16, lr 1e-5, AdamW betas (0.9, 0.99), weight decay 0.1, warmup 0.1, cosine, grad
-clip 0.2).
+clip 0.2). The sections are the settings the library itself takes (LoraSettings here,
+AQNSettings in qerl.noise), so each default is written once.
 """
 
 from __future__ import annotations
@@ -13,35 +14,31 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
-from qerl.errors import QerlError
-
-
-class ConfigError(QerlError):
-    """A configuration file that cannot be used as written."""
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+from qerl.archs import PROJECTIONS
+from qerl.methods import Method
+from qerl.noise import AQNSettings
+from qerl.settings import ConfigError as ConfigError  # where callers have found it
+from qerl.settings import Settings, describe
 
 
-class LoraSection(Section):
+class LoraSettings(Settings):
+    """LoRA as the original's scripts set it (r 16, alpha 16, all projections); the paper's
+    Table 4 uses rank 32. ``train_norms`` also trains every RMSNorm weight."""
+
     rank: int = Field(16, ge=1)
     alpha: float = Field(16, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: tuple[str, ...] = Field(PROJECTIONS, min_length=1)
     train_norms: bool = False
 
 
-class AQNSection(Section):
+class AQNSection(AQNSettings):
     enabled: bool | None = None  # None: on for qerl, off for the baselines
-    sigma_start: float = Field(1e-2, gt=0)
-    sigma_end: float = Field(1e-4, gt=0)
-    num_stages: int = Field(10, ge=2)
-    rollout_only: bool = False
 
 
-class DataSection(Section):
+class DataSection(Settings):
     task: str = "gsm8k"
     path: Path | None = None
     split: str = "train"
@@ -50,7 +47,7 @@ class DataSection(Section):
     size: int = Field(1024, ge=1)  # arithmetic only
 
 
-class OverlongSection(Section):
+class OverlongSection(Settings):
     """DAPO's soft overlong punishment: 0 up to max_completion_length - buffer, then a
     linear ramp to -penalty at max_completion_length."""
 
@@ -59,7 +56,7 @@ class OverlongSection(Section):
     penalty: float = Field(1.0, ge=0)
 
 
-class RLSection(Section):
+class RLSection(Settings):
     loss_type: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
     beta: float = Field(0.0, ge=0)
     epsilon: float = Field(0.2, gt=0)
@@ -75,10 +72,11 @@ class RLSection(Section):
     dynamic_sampling: bool = False
     max_refills: int = Field(3, ge=0)
     overlong: OverlongSection = OverlongSection()
-    rewards: dict[Literal["accuracy", "format"], float] = {"accuracy": 1.0, "format": 0.1}
+    rewards: dict[Literal["accuracy", "format"], float] = Field(
+        default_factory=lambda: {"accuracy": 1.0, "format": 0.1})
 
 
-class TrainSection(Section):
+class TrainSection(Settings):
     max_steps: int = Field(100, ge=1)
     batch_size: int = Field(16, ge=1)  # completions per device per optimizer micro-step
     gradient_accumulation_steps: int = Field(1, ge=1)
@@ -95,23 +93,24 @@ class TrainSection(Section):
     liger: bool = True
     save_steps: int = Field(10, ge=1)
     logging_steps: int = Field(1, ge=1)
-    report_to: list[Literal["tensorboard", "wandb"]] = ["tensorboard"]
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["tensorboard"])
 
 
-class EngineSection(Section):
+class EngineSection(Settings):
     backend: Literal["embedded", "vllm"] = "embedded"
     kv_budget_gb: float | None = Field(None, gt=0)
 
 
-class TrainConfig(Section):
+class TrainConfig(Settings):
     model: str | None = None  # directory, hub id, .gguf, NVFP4 checkpoint
     arch: str | None = None  # random weights of a known shape (benchmarks)
     tokenizer: str | None = None  # where the tokenizer lives, if not with the model
-    method: Literal["qerl", "lora", "qlora", "full"] = "qerl"
+    method: Method = "qerl"
     output_dir: Path
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    lora: LoraSection = LoraSection()
+    lora: LoraSettings = LoraSettings()
     aqn: AQNSection = AQNSection()
     data: DataSection = DataSection()
     rl: RLSection = RLSection()
@@ -130,8 +129,6 @@ class TrainConfig(Section):
                              f"must be a multiple of rl.num_generations "
                              f"({self.rl.num_generations}): each prompt's completions are "
                              "one group")
-        if self.aqn.sigma_end > self.aqn.sigma_start:
-            raise ValueError("aqn.sigma_end must not exceed aqn.sigma_start")
         if self.rl.overlong.enabled and self.rl.overlong.buffer >= self.rl.max_completion_length:
             raise ValueError("rl.overlong.buffer must be below rl.max_completion_length")
         if self.method == "full" and self.aqn.enabled is True:
@@ -159,12 +156,7 @@ def parse_config(raw: dict, where: str = "config") -> TrainConfig:
     try:
         return TrainConfig.model_validate(raw)
     except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(map(str, err['loc'])) or '(top level)'}: {err['msg']}"
-            + (f" (got {err['input']!r})" if err["type"] != "missing"
-               and not isinstance(err["input"], dict) else "")
-            for err in e.errors())
-        raise ConfigError(f"{where}: {problems}") from None
+        raise ConfigError(f"{where}: {describe(e)}") from None
 
 
 def _merge(base: dict, extra: dict) -> dict:

@@ -35,12 +35,12 @@ numbers is exact in fp32).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+from pydantic import Field, model_validator
 from torch import nn
 
 from qerl.errors import QerlError
+from qerl.settings import Settings
 
 NOISY_NORMS = ("input_layernorm", "post_attention_layernorm")
 
@@ -49,24 +49,22 @@ class AQNError(QerlError):
     """Bad AQN settings or protocol misuse."""
 
 
-@dataclass(frozen=True)
-class AQNSettings:
+class AQNSettings(Settings):
     """sigma_start -> sigma_end over num_stages (stage 0 noise-free); defaults as the
-    paper's runs used."""
+    paper's runs used. ``rollout_only``: the noise reaches the rollouts but not the
+    training forward (the original's choice)."""
 
-    sigma_start: float = 1e-2
-    sigma_end: float = 1e-4
-    num_stages: int = 10
+    sigma_start: float = Field(1e-2, gt=0)
+    sigma_end: float = Field(1e-4, gt=0)
+    num_stages: int = Field(10, ge=2)  # stage 0 is noise-free
     rollout_only: bool = False
-    seed: int = 0
 
-    def __post_init__(self) -> None:
-        if self.num_stages < 2:
-            raise AQNError(f"AQN needs num_stages >= 2 (stage 0 is noise-free), got "
-                           f"{self.num_stages}")
-        if not 0 < self.sigma_end <= self.sigma_start:
-            raise AQNError(f"AQN needs 0 < sigma_end <= sigma_start, got sigma_start="
-                           f"{self.sigma_start}, sigma_end={self.sigma_end}")
+    @model_validator(mode="after")
+    def _decays(self) -> AQNSettings:
+        if self.sigma_end > self.sigma_start:
+            raise ValueError("AQN needs sigma_end <= sigma_start, got sigma_start="
+                             f"{self.sigma_start}, sigma_end={self.sigma_end}")
+        return self
 
     def sigma(self, stage: int) -> float:
         """The noise level of ``stage`` (0 for stage 0)."""
@@ -103,14 +101,16 @@ def output_in_input_dtype(module, args, output):
 
 
 class AdaptiveQuantizationNoise:
-    """AQN on ``model`` for a run of ``total_steps`` optimizer steps (see the module
-    docstring for the protocol)."""
+    """AQN on ``model`` for a run of ``total_steps`` optimizer steps, its noise drawn from
+    ``seed`` (see the module docstring for the protocol)."""
 
-    def __init__(self, model: nn.Module, settings: AQNSettings, total_steps: int):
+    def __init__(self, model: nn.Module, settings: AQNSettings, total_steps: int,
+                 seed: int = 0):
         if total_steps < 1:
             raise AQNError(f"total_steps must be >= 1, got {total_steps}")
         self.settings = settings
         self.total_steps = total_steps
+        self.seed = seed
         norms = noisy_norms(model)
         if not norms:
             raise AQNError(f"no {' or '.join(NOISY_NORMS)} RMSNorm in the model: AQN has "
@@ -134,7 +134,7 @@ class AdaptiveQuantizationNoise:
         out = {}
         for i, (name, w) in enumerate(self.weights.items()):
             gen = torch.Generator(device=w.device)
-            gen.manual_seed(((self.settings.seed * 1_000_003 + step) * 1_009 + i) % (1 << 63))
+            gen.manual_seed(((self.seed * 1_000_003 + step) * 1_009 + i) % (1 << 63))
             z = torch.randn(w.shape, generator=gen, device=w.device, dtype=torch.float32)
             out[name] = (z * sigma).to(w.dtype)
         return out

@@ -25,18 +25,18 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from qerl.archs import MODEL_TYPES
 from qerl.checkpoint import FORMAT, NVFP4Checkpoint, load_checkpoint, read_json
+from qerl.config import LoraSettings
 from qerl.errors import ArchitectureError, QerlError
 from qerl.formats import nvfp4
+from qerl.methods import METHODS
 from qerl.nn import NVFP4Linear
 from qerl.nn.nvfp4_lora import register_lora_layers
 from qerl.noise import AdaptiveQuantizationNoise, AQNSettings
 from qerl.quantize import KEEP_DENSE, fusion_groups, quantize_group
 from qerl.sources import Source, copy_extras, open_source
 
-METHODS = ("qerl", "lora", "qlora", "full")
-MODEL_TYPES = ("qwen2", "llama")  # Qwen2.5 and SmolLM2
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NORMS_FILE = "norms.safetensors"
 NF4_BLOCK = 64  # bitsandbytes' 4-bit quantization block
 
@@ -45,32 +45,12 @@ class PolicyError(QerlError):
     """A policy that cannot be built as asked."""
 
 
-@dataclass(frozen=True)
-class LoraSettings:
-    """LoRA as the original's scripts set it (r 16, alpha 16, all projections); the paper's
-    Table 4 uses rank 32. ``train_norms`` also trains every RMSNorm weight."""
-
-    rank: int = 16
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = PROJECTIONS
-    train_norms: bool = False
-
-    def __post_init__(self) -> None:
-        if self.rank <= 0:
-            raise PolicyError(f"LoRA rank must be > 0, got {self.rank}")
-        if self.alpha <= 0:
-            raise PolicyError(f"LoRA alpha must be > 0, got {self.alpha}")
-        if not 0 <= self.dropout < 1:
-            raise PolicyError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
-        if not self.target_modules:
-            raise PolicyError("LoRA needs at least one target module")
-
-    def peft_config(self, method: str) -> LoraConfig:
-        config = LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                            target_modules=list(self.target_modules), bias="none",
-                            task_type="CAUSAL_LM")
-        return _with_lora_layers(config, method)
+def peft_config(lora: LoraSettings, method: str) -> LoraConfig:
+    """PEFT's configuration of ``lora`` on ``method``'s base."""
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=list(lora.target_modules), bias="none",
+                        task_type="CAUSAL_LM")
+    return _with_lora_layers(config, method)
 
 
 def _with_lora_layers(config: LoraConfig, method: str) -> LoraConfig:
@@ -124,8 +104,9 @@ def build_policy(method: str, model: str | Path | None = None, *, arch: str | No
                  seed: int = 0, lora: LoraSettings | None = None, aqn: AQNSettings | None = None,
                  total_steps: int | None = None, device: str | torch.device = "cpu") -> Policy:
     """Build ``method``'s policy from ``model`` (directory, hub id, .gguf file, NVFP4
-    checkpoint directory) or ``arch`` (random weights). ``aqn`` needs ``total_steps``, the
-    run's number of optimizer steps, to place its stages."""
+    checkpoint directory) or ``arch`` (random weights drawn from ``seed``). ``aqn`` needs
+    ``total_steps``, the run's number of optimizer steps, to place its stages; its noise is
+    drawn from ``seed`` too."""
     if method not in METHODS:
         raise PolicyError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if aqn is not None and total_steps is None:
@@ -143,13 +124,13 @@ def build_policy(method: str, model: str | Path | None = None, *, arch: str | No
         _check_targets(base, lora.target_modules)
         for p in base.parameters():
             p.requires_grad_(False)
-        wrapped = get_peft_model(base, lora.peft_config(method))
+        wrapped = get_peft_model(base, peft_config(lora, method))
     policy = Policy(method, wrapped, base.config, description, lora, save_extras=extras)
     if lora is not None and lora.train_norms:
         for w in policy.norm_weights().values():
             w.requires_grad_(True)
     if aqn is not None:
-        policy.aqn = AdaptiveQuantizationNoise(policy.base_model, aqn, total_steps)
+        policy.aqn = AdaptiveQuantizationNoise(policy.base_model, aqn, total_steps, seed)
     return policy
 
 

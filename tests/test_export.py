@@ -12,10 +12,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qerl.checkpoint import load_checkpoint
 from qerl.cli import main
+from qerl.config import LoraSettings
 from qerl.errors import QerlError
 from qerl.export import export_for_vllm, export_merged
 from qerl.noise import AQNSettings
-from qerl.policy import LoraSettings, PolicyError, build_policy, load_adapter
+from qerl.policy import PolicyError, build_policy, load_adapter
 from tests.conftest import fresh_seed, require_smollm2
 from tests.test_policy import IDS, logits, randomize_adapter, rel
 

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from pydantic import ValidationError
 from transformers import AutoModelForCausalLM
 
 from qerl.noise import AdaptiveQuantizationNoise, AQNError, AQNSettings, noisy_norm_weights
@@ -37,12 +38,13 @@ def test_schedule_is_exponential_from_start_to_end_after_a_clean_stage():
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"num_stages": 1}, "num_stages >= 2"),
+    ({"num_stages": 1}, "num_stages\n  Input should be greater than or equal to 2"),
     ({"sigma_start": 1e-4, "sigma_end": 1e-2}, "sigma_end <= sigma_start"),
-    ({"sigma_end": 0.0}, "0 < sigma_end"),
+    ({"sigma_end": 0.0}, "sigma_end\n  Input should be greater than 0"),
+    ({"sigma": 1e-2}, "sigma\n  Extra inputs are not permitted"),
 ])
 def test_bad_settings_are_named(kwargs, message):
-    with pytest.raises(AQNError, match=message):
+    with pytest.raises(ValidationError, match=message):
         AQNSettings(**kwargs)
 
 
@@ -59,8 +61,8 @@ def test_stage_zero_leaves_outputs_bit_identical():
 def test_noise_is_fresh_every_step_never_accumulates_and_replays_by_seed():
     seed = fresh_seed()
     model = tiny_model(seed)
-    settings = AQNSettings(sigma_start=1e-2, sigma_end=1e-3, num_stages=3, seed=seed)
-    aqn = AdaptiveQuantizationNoise(model, settings, total_steps=30)
+    settings = AQNSettings(sigma_start=1e-2, sigma_end=1e-3, num_stages=3)
+    aqn = AdaptiveQuantizationNoise(model, settings, total_steps=30, seed=seed)
     weights = noisy_norm_weights(model)
     assert len(weights) == 4  # 2 layers x (input, post-attention); the final norm is left
     clean = {n: w.clone() for n, w in weights.items()}
@@ -78,7 +80,7 @@ def test_noise_is_fresh_every_step_never_accumulates_and_replays_by_seed():
     # One value per channel, of the stage's size.
     assert seen[0].std().item() == pytest.approx(1e-2, rel=0.35)
     # A resumed run draws the same noise for the same step.
-    again = AdaptiveQuantizationNoise(model, settings, total_steps=30).noise(29)
+    again = AdaptiveQuantizationNoise(model, settings, total_steps=30, seed=seed).noise(29)
     replay = torch.cat([v.flatten() for v in again.values()])
     assert torch.allclose(replay, seen[-1], rtol=0, atol=1e-7)  # seen: (w + z) - w in fp32
 
@@ -112,7 +114,8 @@ def test_noise_below_bf16_resolution_still_reaches_a_bf16_model():
     model = tiny_model(fresh_seed())
     ids = torch.randint(0, 128, (2, 9))
     clean = model(ids).logits
-    aqn = AdaptiveQuantizationNoise(model, AQNSettings(1e-4, 1e-4, 2), total_steps=2)
+    settings = AQNSettings(sigma_start=1e-4, sigma_end=1e-4, num_stages=2)
+    aqn = AdaptiveQuantizationNoise(model, settings, total_steps=2)
     assert torch.equal(model(ids).logits, clean)  # fp32 norm weights: same outputs
     aqn.perturb(1)
     noisy = model(ids).logits
@@ -126,7 +129,8 @@ def test_logit_change_grows_linearly_with_sigma():
     clean = model(ids).logits
 
     def change(sigma: float) -> float:
-        aqn = AdaptiveQuantizationNoise(model, AQNSettings(sigma, sigma, 2, seed=seed), 2)
+        settings = AQNSettings(sigma_start=sigma, sigma_end=sigma, num_stages=2)
+        aqn = AdaptiveQuantizationNoise(model, settings, 2, seed=seed)
         aqn.perturb(1)
         delta = (model(ids).logits - clean).norm() / clean.norm()
         aqn.restore()

@@ -150,3 +150,14 @@ def test_gpu_jobs_of_a_gpu_configuration_go_through_the_gpu_slot():
                             for line in held_out)
     smoke = snakemake("-n", "-p", "--forceall")
     assert "gpu_slot.py" not in smoke.stdout + smoke.stderr  # CPU configurations run as is
+
+
+def test_the_schema_names_the_methods_qerl_trains():
+    """The schema (JSON Schema, read by Snakemake) lists the methods as qerl.methods does."""
+    from qerl.methods import METHODS
+
+    schema = yaml.safe_load((ROOT / "workflows/schemas/config.schema.yaml").read_text())
+    train = schema["properties"]["train"]["properties"]["methods"]["items"]["enum"]
+    variants = schema["properties"]["science"]["properties"]["variants"]
+    assert train == list(METHODS)
+    assert variants["additionalProperties"]["properties"]["method"]["enum"] == list(METHODS)

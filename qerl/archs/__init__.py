@@ -11,10 +11,16 @@ from __future__ import annotations
 
 import json
 from importlib import resources
-
-from transformers import AutoConfig, PretrainedConfig
+from typing import TYPE_CHECKING
 
 from qerl.errors import ArchitectureError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+MODEL_TYPES = ("qwen2", "llama")  # transformers' names of Qwen2.5's and SmolLM2's layout
+# Their decoder layers' projections, which quantization and LoRA target.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def known() -> list[str]:
@@ -25,6 +31,8 @@ def known() -> list[str]:
 
 def config_for(arch: str) -> PretrainedConfig:
     """The transformers config of a named architecture."""
+    from transformers import AutoConfig
+
     name = arch.lower()
     if name not in known():
         raise ArchitectureError(f"unknown architecture {arch!r}; known: {', '.join(known())}")

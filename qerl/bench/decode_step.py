@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from qerl.bench.record import append_rows, provenance
 from qerl.bench.rollout import WEIGHTS
-from qerl.policy import LoraSettings, build_policy
+from qerl.config import LoraSettings
+from qerl.policy import build_policy
+from qerl.record import append_rows, provenance
 from qerl.rollout import Engine, SamplingParams
 
 

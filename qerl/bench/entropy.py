@@ -9,7 +9,8 @@ bootstrap intervals over prompts:
 - own: each variant samples its own completions (what RL's rollouts see);
 - shared: every variant scores the BF16 variant's completions (the same tokens, so only the
   distribution differs), with the paired difference to BF16.
-Rows go to results/science/entropy_<card>.csv, a table beside it, and a figure.
+Rows go to results/science/<model>/entropy/entropy_<card>.csv (the workflow's folder);
+`qerl report` tabulates and draws them.
 """
 
 from __future__ import annotations
@@ -102,32 +103,12 @@ def measure(args) -> list[dict]:
     return rows
 
 
-def figure(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    x = np.arange(len(rows))
-    for offset, kind in ((-0.18, "own"), (0.18, "shared")):
-        means = [r[f"{kind}_entropy"] for r in rows]
-        errors = [[m - r[f"{kind}_low"] for m, r in zip(means, rows, strict=True)],
-                  [r[f"{kind}_high"] - m for m, r in zip(means, rows, strict=True)]]
-        ax.bar(x + offset, means, width=0.36, yerr=errors, capsize=3,
-               label=f"{kind} completions")
-    ax.set_xticks(x, [r["weights"] for r in rows])
-    ax.set(ylabel="mean token entropy (nats)", title="policy entropy by weight format")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> None:
     import pandas as pd
 
-    from qerl.bench.record import provenance
+    from qerl.noise import AQNSettings
+    from qerl.record import provenance
+    from qerl.report.run import summary
 
     parser = argparse.ArgumentParser(prog="qerl bench entropy", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -136,27 +117,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--tokens", type=int, default=128, help="completion length")
     parser.add_argument("--weights", default=",".join(VARIANTS))
-    parser.add_argument("--sigma", type=float, default=1e-2, help="AQN noise for +aqn")
+    parser.add_argument("--sigma", type=float, default=AQNSettings().sigma_start,
+                        help="AQN noise for +aqn (default: AQN's first noisy stage)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out-dir", type=Path, default=Path("results/science"))
+    parser.add_argument("--out-dir", type=Path,
+                        help="default: results/science/<model's name>/entropy")
     args = parser.parse_args(argv)
     unknown = set(args.weights.split(",")) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown weights {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    out_dir = args.out_dir or Path("results/science") / Path(args.model).name / "entropy"
     base = provenance(args.device)
     rows = [{**base, "model": args.model, **row} for row in measure(args)]
-    card = base["card"].replace(" ", "_")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    frame = pd.DataFrame(rows)
-    frame.to_csv(args.out_dir / f"entropy_{card}.csv", index=False)
-    shown = [c for c in ("weights", "prompts", "sigma", "own_entropy", "own_low", "own_high",
-                         "shared_entropy", "shared_minus_bf16", "diff_low", "diff_high")
-             if c in frame]
-    (args.out_dir / f"entropy_{card}.md").write_text(
-        frame[shown].to_markdown(index=False, floatfmt=".4f") + "\n")
-    figure(rows, args.out_dir / f"entropy_{card}.png")
-    print(frame[shown].to_string(index=False))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"entropy_{base['card'].replace(' ', '_')}.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    print(summary("entropy", path))
+    print(path)
 
 
 if __name__ == "__main__":

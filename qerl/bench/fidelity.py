@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from qerl.bench.record import append_rows, provenance
+from qerl.record import append_rows, provenance
 
 
 def _questions(path: Path, n: int) -> list[str]:

@@ -15,11 +15,12 @@ The terms (decimal GB), for P prompts x G completions of L tokens after a prompt
 - checkpointed: each layer's input for one micro-batch, kept for the backward pass;
 - layer: one layer's activations while it is recomputed in the backward pass, the peak:
   for lora and qerl 4 intermediate-sized and 8 hidden-sized BF16 tensors a token (fitted
-  to the 7B, 14B and 32B steps, within 2%: LoRA added inside the GEMM, Liger's norm and
+  to the measured 7B, 14B and 32B steps: LoRA added inside the GEMM, Liger's norm and
   SwiGLU); qlora's LoRA layer is PEFT's own, which keeps an fp32 copy of each projection's
   input for the adapter (six hidden-sized, one intermediate-sized: 12 and 2 BF16 tensors'
-  worth more), so 6 and 20 (its 3B-32B steps within 5%).
-Checked against `qerl bench step` on an H100 (tests/test_bench_cli.py): 3B-72B within 10%.
+  worth more), so 6 and 20.
+tests/test_bench_cli.py holds the estimate within 10% of every committed `qerl bench step`
+measurement.
 ``--measured`` adds the measured peak of runs with the same settings beside each row.
 """
 
@@ -28,9 +29,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from qerl.methods import LORA_METHODS
+
 GB = 1e9
 QUANTIZED_BYTES = 0.5 + 1 / 16  # 4-bit values + one 8-bit scale per 16 (NF4: 32-bit per 64)
-METHODS = ("lora", "qlora", "qerl")
 TERMS = ("weights", "lora", "kv_cache", "checkpointed", "layer")
 
 
@@ -39,8 +41,8 @@ def estimate(arch: str, method: str, prompts: int, generations: int, completion:
     """The terms of one step's peak GPU memory (GB) and their total."""
     from qerl.archs import config_for
 
-    if method not in METHODS:
-        raise ValueError(f"footprint models the LoRA methods {METHODS}, not {method!r}")
+    if method not in LORA_METHODS:
+        raise ValueError(f"footprint models the LoRA methods {LORA_METHODS}, not {method!r}")
 
     c = config_for(arch)
     hidden, inter, layers = c.hidden_size, c.intermediate_size, c.num_hidden_layers
@@ -70,10 +72,10 @@ def measured_peaks(path: Path):
     CSV."""
     import pandas as pd
 
-    from qerl.bench.step import SETTINGS
+    from qerl.report.collect import STEP_SETTINGS
 
     frame = pd.read_csv(path)
-    frame = frame[frame.grad_ckpt == 1].drop_duplicates(["model", "method", *SETTINGS],
+    frame = frame[frame.grad_ckpt == 1].drop_duplicates(["model", "method", *STEP_SETTINGS],
                                                        keep="last")
     return {(r.model, r.method, r.prompts, r.generations, r.completion, r.micro_batch,
              r.lora_rank): (r.status, r.peak_gb) for r in frame.itertuples()}
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", type=Path, default=Path("results/bench"))
     parser.add_argument("--archs", default="qwen2.5-7b")
-    parser.add_argument("--methods", default="lora,qlora,qerl")
+    parser.add_argument("--methods", default=",".join(LORA_METHODS))
     parser.add_argument("--prompts", type=int, default=2, help="P: prompts per step")
     parser.add_argument("--generations", type=int, default=8, help="G: completions each")
     parser.add_argument("--completion", type=int, default=2048, help="L: tokens each")
@@ -98,9 +100,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.measured is not None and not args.measured.is_file():
         raise SystemExit(f"qerl bench footprint: --measured {args.measured} does not exist")
 
-    unknown = set(args.methods.split(",")) - set(METHODS)
+    unknown = set(args.methods.split(",")) - set(LORA_METHODS)
     if unknown:
-        raise SystemExit(f"qerl bench footprint: methods are {', '.join(METHODS)}; "
+        raise SystemExit(f"qerl bench footprint: methods are {', '.join(LORA_METHODS)}; "
                          f"not {', '.join(sorted(unknown))}")
     measured = measured_peaks(args.measured) if args.measured else {}
     rows = []

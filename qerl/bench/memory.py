@@ -18,8 +18,10 @@ from pathlib import Path
 
 import torch
 
-from qerl.bench.record import append_rows, provenance
-from qerl.policy import METHODS, LoraSettings, build_policy
+from qerl.config import LoraSettings
+from qerl.methods import METHODS
+from qerl.policy import build_policy
+from qerl.record import append_rows, provenance
 
 ARCHS = ("qwen2.5-3b", "qwen2.5-7b")
 GB = 1e9

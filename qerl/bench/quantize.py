@@ -7,8 +7,8 @@ Two runs per architecture, each in a fresh process so that its peak RSS is its o
 - ``disk``: a BF16 safetensors checkpoint of the same shape, written first to --workdir,
   quantized from disk, as a user's model would be.
 The baseline in the same run is ``load_only_s``: the time to produce every tensor on the
-device without quantizing, i.e. the I/O floor. Targets (issue 2): peak RSS under 1.3x the
-BF16 model size, and under 60 s for the 7B shape on a GPU.
+device without quantizing, i.e. the I/O floor. Quantizing streams one tensor (or fusion
+group) at a time, so peak RSS should stay well under the BF16 model's size.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from qerl.bench.record import append_rows, provenance
+from qerl.record import append_rows, provenance
 
 
 def _peak_rss_bytes() -> int:

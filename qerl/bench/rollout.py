@@ -6,6 +6,7 @@ shapes with random weights.
     qerl bench rollout --archs qwen2.5-7b --batches 1,32 --prompt-lens 256 --gen-len 1024
     qerl bench rollout --archs qwen2.5-14b --weights bf16,nvfp4,nf4 --ranks 16,32,64 \
         --batches 1 --prompt-lens 256     # the paper's throughput-by-rank figure
+    qerl report                           # its tables and figures, with the paper's numbers
 
 Every sequence runs to gen_len (EOS ignored), sampling at temperature 1; tokens/s counts
 generated tokens over the whole call (prefill included), after one warm-up call of the
@@ -24,8 +25,10 @@ from pathlib import Path
 
 import torch
 
-from qerl.bench.record import append_rows, provenance
-from qerl.policy import LoraSettings, build_policy
+from qerl.config import LoraSettings
+from qerl.policy import build_policy
+from qerl.record import append_rows, provenance
+from qerl.report.run import summary
 from qerl.rollout import Engine, SamplingParams
 
 WEIGHTS = {"bf16": "lora", "nvfp4": "qerl", "nf4": "qlora"}  # engine weights -> policy method
@@ -89,66 +92,6 @@ def bench_hf(model, batches, prompt_lens, gen_len) -> list[dict]:
     return rows
 
 
-def plot(csv_path: Path) -> Path:
-    """Left, the paper's rollout-vs-rank figure: tokens/s against LoRA rank for each
-    (model, batch, prompt) measured at several ranks, the paper's numbers dashed in the same
-    colour (its LoRA, QLoRA and QeRL: our bf16, nf4 and nvfp4), Hugging Face as a line.
-    Right, NVFP4's speed relative to BF16 per model and batch (same rank and prompt)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import pandas as pd
-
-    from qerl.report.run import PAPER
-    from qerl.report.tables import paper_model
-
-    paper = pd.read_csv(PAPER)
-    paper = paper[(paper.metric == "rollout_throughput") & paper.lora_rank.notna()]
-    paper = paper.assign(model=paper.model.map(paper_model))
-    colours = {w: f"C{i}" for i, w in enumerate(WEIGHTS)}
-    df = pd.read_csv(csv_path)
-    engine = df[(df.weights != "hf-bf16") & (df.get("fused", 1) == 1)]
-    keys = ["model", "batch", "prompt_len"]
-    ranked = [k for k, g in engine.groupby(keys) if g.lora_rank.nunique() > 1]
-    fig, axes = plt.subplots(1, len(ranked) + 1, figsize=(4.5 * (len(ranked) + 1), 3.8),
-                             squeeze=False)
-    for ax, (model, batch, prompt_len) in zip(axes[0], ranked, strict=False):
-        sel = engine[(engine.model == model) & (engine.batch == batch)
-                     & (engine.prompt_len == prompt_len)]
-        for weights, g in sel.groupby("weights"):
-            g = g.groupby("lora_rank", as_index=False).tok_per_s.last()
-            ax.plot(g.lora_rank, g.tok_per_s, marker="o", color=colours[weights],
-                    label=f"engine {weights}")
-            theirs = paper[(paper.model == model) & (paper.method == WEIGHTS[weights])]
-            if len(theirs):
-                ax.plot(theirs.lora_rank, theirs.value, ls="--", marker="x",
-                        color=colours[weights], label=f"paper {WEIGHTS[weights]}")
-        hf = df[(df.weights == "hf-bf16") & (df.model == model) & (df.batch == batch)]
-        if len(hf):
-            ax.axhline(hf.tok_per_s.iloc[-1], color="grey", ls=":", label="HF generate bf16")
-        ax.set_title(f"{model} batch {batch} prompt {prompt_len}")
-        ax.set_xlabel("LoRA rank")
-        ax.set_ylabel("tokens/s")
-        ax.legend(fontsize=7)
-    ax = axes[0][-1]
-    pivot = engine.pivot_table(index=["model", "batch", "prompt_len", "lora_rank"],
-                               columns="weights", values="tok_per_s", aggfunc="last")
-    if {"bf16", "nvfp4"} <= set(pivot.columns):
-        ratio = (pivot.nvfp4 / pivot.bf16).dropna()
-        labels = [f"{m.removeprefix('qwen2.5-')} b{b} p{p} r{r}" for m, b, p, r in ratio.index]
-        ax.barh(labels, ratio.values)
-        ax.axvline(1.0, color="grey", ls=":")
-        ax.set_xlabel("NVFP4 tokens/s / BF16 tokens/s")
-        ax.tick_params(axis="y", labelsize=7)
-        ax.set_title("NVFP4 vs BF16 (engine, LoRA attached)")
-    fig.suptitle(f"Rollout throughput on {df['card'].iloc[0]} (generate {df.gen_len.max()})")
-    fig.tight_layout()
-    png = csv_path.with_suffix(".png")
-    fig.savefig(png, dpi=110)
-    return png
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="qerl bench rollout", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -164,14 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fused", default="1",
                         help="engine runs with our decode kernels (1) and/or the model's "
                              "own modules (0)")
-    parser.add_argument("--plot", type=Path, help="only draw the figure of this CSV")
     args = parser.parse_args(argv)
-    if args.plot:
-        if args.plot.suffix != ".csv" or not args.plot.is_file():
-            raise SystemExit(f"qerl bench rollout: --plot takes a rollout CSV; {args.plot} "
-                             "is not one")
-        print(plot(args.plot))
-        return
     if not torch.cuda.is_available():
         raise SystemExit("qerl bench rollout: needs a CUDA GPU (none found)")
     base = provenance("cuda")
@@ -202,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
                 del policy
                 gc.collect()
                 torch.cuda.empty_cache()
+    print(summary("rollout", path))
     print(path)
 
 

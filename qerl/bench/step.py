@@ -11,10 +11,10 @@ Each (model, method) runs in its own process (a fresh GPU); with --gpus 0,1,2,3 
 run at once, one per GPU (the GPUs must be of one model: the ratios compare like with like).
 One that runs out of memory is recorded as such, with the memory it had reached. Rows go to
 results/bench/efficiency_<card>.csv (the first step, which captures CUDA graphs and warms up, is
-left out of the medians); the table beside it, rewritten from the whole file, gives each
-method's step time against LoRA's at the same model and settings measured within an hour of
-it (the same run or back to back on one machine), and the paper's end-to-end speed beside it
-where it gives one.
+left out of the medians). At the end it prints the file's table (`qerl report` draws it
+with the rest): each method's step time against LoRA's at the same model and settings
+measured within an hour of it (the same run or back to back on one machine), and the
+paper's end-to-end speed beside it where it gives one.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-PHASES = ("rollout", "score", "train", "optimizer")
-METHODS = ("lora", "qlora", "qerl")
+from qerl.methods import LORA_METHODS
+from qerl.rl.phases import PHASES
+
 RESULT = ("status", "steps_measured", *(f"{p}_s" for p in PHASES), "step_s",
           "rollout_tok_per_s", "peak_gb", "error")
-SETTINGS = ("lora_rank", "prompts", "generations", "completion", "micro_batch", "grad_ckpt")
 
 
 def run_config(args: argparse.Namespace, arch: str, method: str, workdir: Path) -> dict:
@@ -86,127 +86,6 @@ def measure(args: argparse.Namespace, arch: str, method: str) -> dict:
     return row
 
 
-def _order(column):
-    """Sort keys: models by size (the number in the name), methods as in METHODS."""
-    if column.name in ("completion", "prompts"):
-        return column
-    if column.name == "method":
-        return column.map(lambda m: METHODS.index(m) if m in METHODS else len(METHODS))
-    return column.str.extract(r"(\d+(?:\.\d+)?)b", expand=False).astype(float).fillna(0)
-
-
-# A ratio pairs a row with the LoRA row measured within this time of it: one run, or runs
-# back to back on one machine, so that no ratio mixes code versions or machines.
-PAIR_WINDOW_HOURS = 1.0
-
-
-def compare(frame):
-    """The newest row of each (model, method, settings), with its speed against LoRA's at
-    the same model and settings (measured within PAIR_WINDOW_HOURS of it, where the rows
-    are dated) and the paper's end-to-end speed."""
-    import pandas as pd
-
-    from qerl.report.run import PAPER
-    from qerl.report.tables import paper_model
-
-    frame = frame.drop_duplicates(["model", "method", *SETTINGS], keep="last")
-    frame = frame.sort_values(["completion", "prompts", "model", "method"], key=_order,
-                              kind="stable")
-    group = ["model", *SETTINGS]
-    lora = frame[frame.method == "lora"].set_index(group)
-    dated = "date" in frame
-    window = pd.Timedelta(hours=PAIR_WINDOW_HOURS)
-
-    def speed(row) -> float | None:
-        key = tuple(row[g] for g in group)
-        if key not in lora.index or not row["step_s"] or pd.isna(lora.loc[key, "step_s"]):
-            return None
-        if dated and abs(pd.Timestamp(lora.loc[key, "date"]) - pd.Timestamp(row["date"])) \
-                > window:
-            return None
-        return lora.loc[key, "step_s"] / row["step_s"]
-
-    frame = frame.assign(**{"speed vs lora": [speed(row) for _, row in frame.iterrows()]})
-    paper = pd.read_csv(PAPER)
-    paper = paper[paper.metric == "end_to_end_speed"]
-    speed_paper = {(paper_model(m), method): v for m, method, v
-                   in zip(paper.model, paper.method, paper.value, strict=True)}
-    frame["paper speed vs lora"] = [speed_paper.get((m, method)) for m, method
-                                    in zip(frame.model, frame.method, strict=True)]
-    return frame
-
-
-def table(frame) -> str:
-    """Markdown: each method's step and phase times against LoRA's (see ``compare``)."""
-    frame = compare(frame)
-    columns = ["date", "model", "method", "prompts", "generations", "completion",
-               "micro_batch", "grad_ckpt", "status", *[f"{p}_s" for p in PHASES], "step_s",
-               "speed vs lora", "paper speed vs lora", "rollout_tok_per_s", "peak_gb"]
-    return frame[[c for c in columns if c in frame]].to_markdown(index=False, floatfmt=".3g")
-
-
-def figure(frame, path: Path, card: str) -> None:
-    """Per settings: each (model, method)'s step time stacked by phase with its speed against
-    LoRA (the paper's in brackets), and its peak GPU memory against an 80 GB card (runs out
-    of memory drawn at the peak they reached)."""
-    import matplotlib
-    import pandas as pd
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    frame = compare(frame)
-    groups = list(frame.groupby(list(SETTINGS), sort=False))
-    fig, axes = plt.subplots(2, len(groups), figsize=(1.1 * len(frame) + 3, 6.5),
-                             squeeze=False, sharey="row")
-    for col, (settings, rows) in enumerate(groups):
-        labels = [f"{m.removeprefix('qwen2.5-')}\n{method}"
-                  for m, method in zip(rows.model, rows.method, strict=True)]
-        bottom = 0
-        for phase in PHASES:
-            values = rows[f"{phase}_s"].fillna(0).to_numpy()
-            axes[0][col].bar(labels, values, bottom=bottom, label=phase)
-            bottom = bottom + values
-        for x, (top, ours, theirs) in enumerate(zip(
-                bottom, rows["speed vs lora"], rows["paper speed vs lora"], strict=True)):
-            if pd.notna(ours):
-                text = f"{ours:.2f}x" + (f"\n({theirs:.1f}x)" if pd.notna(theirs) else "")
-                axes[0][col].annotate(text, (x, top), ha="center", va="bottom", fontsize=6)
-        setting = dict(zip(SETTINGS, settings, strict=True))
-        axes[0][col].set_title(f"P={setting['prompts']} G={setting['generations']} "
-                               f"L={setting['completion']}"
-                               + (" grad-ckpt" if setting["grad_ckpt"] else ""), fontsize=9)
-        colours = ["C3" if s == "oom" else "C7" for s in rows.status]
-        axes[1][col].bar(labels, rows.peak_gb.fillna(0), color=colours)
-        axes[1][col].axhline(80, color="k", ls=":", lw=1)
-        for ax in axes[:, col]:
-            ax.tick_params(axis="x", labelsize=7)
-    axes[0][0].set_ylabel("step time (s)")
-    axes[0][0].legend(fontsize=7)
-    axes[1][0].set_ylabel("peak GPU memory (GB)\nred: out of memory")
-    fig.suptitle(f"One RL step, {card}")
-    fig.tight_layout()
-    fig.savefig(path.with_suffix(".png"), dpi=110)
-    plt.close(fig)
-
-
-def write_table(path: Path) -> Path:
-    """The markdown table and the figure beside the CSV at ``path``, from all its rows."""
-    import pandas as pd
-
-    card = path.stem.removeprefix("efficiency_").replace("_", " ")
-    figure(pd.read_csv(path), path, card)
-    out = path.with_suffix(".md")
-    out.write_text(f"# qerl bench step, {card}\n\n"
-                   "P prompts x G completions of L (`completion`) tokens per step; "
-                   "`step_s` is the sum of the phases (median over the steps after the "
-                   "first); speed vs lora compares rows of one model and settings "
-                   "measured within an hour of each other (the same run, or back to back "
-                   "on one machine); rows without a LoRA row that close show none.\n\n"
-                   + table(pd.read_csv(path)) + "\n")
-    return out
-
-
 def gpu_env(gpus: list[str]) -> list[dict]:
     """One environment per GPU in ``gpus`` (indices among the visible ones), each seeing only
     that GPU."""
@@ -225,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", type=Path, default=Path("results/bench"))
     parser.add_argument("--archs", default="qwen2.5-7b")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(LORA_METHODS))
     parser.add_argument("--prompts", type=int, default=4, help="P: prompts per step")
     parser.add_argument("--generations", type=int, default=8, help="G: completions each")
     parser.add_argument("--completion", type=int, default=2048, help="L: tokens each")
@@ -259,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(measure(args, *args.child)))
         return
 
-    from qerl.bench.record import append_rows, provenance
+    from qerl.record import append_rows, provenance
+    from qerl.report.run import summary
 
     base = provenance(args.device)
     card = base["card"].replace(" ", "_")
@@ -294,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
             row = future.result()
             print(json.dumps(row), flush=True)
             append_rows(path, [row])
-    write_table(path)
+    print(summary("step", path))
     print(path)
 
 if __name__ == "__main__":

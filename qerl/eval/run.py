@@ -18,14 +18,14 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
-from qerl.bench.record import provenance
 from qerl.errors import QerlError
 from qerl.eval.metrics import summarize
+from qerl.eval.settings import EvalSettings
+from qerl.record import provenance
 from qerl.rl.rewards import matches, parse_answer
 from qerl.rollout import Engine, SamplingParams
 
@@ -39,25 +39,6 @@ ARITHMETIC_SEED, ARITHMETIC_SIZE = -1, 500
 
 class EvalError(QerlError):
     """An evaluation that cannot run as asked."""
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    """The paper's sampling: temperature 0.6, top-p 0.95."""
-
-    samples: int = 1
-    temperature: float = 0.6
-    top_p: float = 0.95
-    max_tokens: int = 4096
-    batch: int = 64
-    seed: int = 0
-    backend: str = "embedded"  # or vllm (when installed; qerl and lora policies)
-
-    def __post_init__(self) -> None:
-        if self.samples < 1 or self.batch < 1 or self.max_tokens < 1:
-            raise EvalError(f"samples, batch and max_tokens must be >= 1: {self}")
-        if self.backend not in ("embedded", "vllm"):
-            raise EvalError(f"backend is embedded or vllm, got {self.backend!r}")
 
 
 def _done(path: Path) -> dict[tuple[int, int], dict]:
@@ -90,7 +71,7 @@ def _append(path: Path, records: list[dict]) -> None:
 
 def _check_settings(out_dir: Path, settings: EvalSettings, what: dict) -> None:
     path = out_dir / "settings.json"
-    current = {**asdict(settings), **what}
+    current = {**settings.model_dump(), **what}
     if path.is_file():
         before = json.loads(path.read_text())
         changed = sorted(k for k in current if before.get(k) != current[k])

@@ -3,9 +3,9 @@
 PEFT casts a projection's input to the adapter's dtype (fp32, PEFT's default) before the
 adapter's matmuls, which autocast then cast straight back to bf16; the adapter's output then
 takes a multiply by the scaling and an add to the base output. Each is a pass over a
-[tokens, features] tensor: at 7B, 16.9k tokens a micro-batch, with gradient checkpointing
-(two forwards and a backward), they were ~0.9 s of a 4.0 s train phase on an H100, more than
-the adapters' matmuls. Under autocast this layer reads x as it is, and the GEMM itself adds
+[tokens, features] tensor, twice over with gradient checkpointing (two forwards and a
+backward): at RL's thousands of tokens a micro-batch these passes cost more than the
+adapters' matmuls. Under autocast this layer reads x as it is, and the GEMM itself adds
 the adapter into the base output (result += scaling * (x A^T) B^T, in fp32, rounded once
 instead of three times). Everything else — no autocast (evaluation, the rollout's
 prefill), several or disabled adapters, variants such as DoRA, adapter biases, merged

@@ -1,23 +1,54 @@
-"""Read the results tree into one long table of values, one row per number:
+"""Read a results tree: one frame per kind of result (the rows of every file of that kind,
+with the columns that name them), and from the frames one long table of every number:
 
-    kind, model, recipe, method, bench, metric, value, source
+    kind, card, model, recipe, method, bench, metric, value, source
 
-kind is eval (qerl eval summaries, trained and base), external (lm-eval / lighteval base
-numbers), train (every logged step of every run), rollout, kernels and step (benchmarks).
-A row's
-key (``key()``) names it uniquely and stably, so expected values can refer to it.
+Where each kind is read from, below the results folder (``**``: any depth, so both the
+committed files and the workflow's ``bench/NAME/`` folders are read):
+
+    eval          eval/MODEL/RECIPE/METHOD/summary.csv       qerl eval (base: RECIPE base,
+                                                               METHOD bf16 or nvfp4)
+    external      eval/MODEL/RECIPE/external/summary.csv      lm-eval, lighteval
+    train         train/MODEL/RECIPE/METHOD/metrics.csv       + provenance.json, config.yaml
+    science       science/MODEL/VARIANT/seedN/metrics.csv     + provenance.json, config.yaml
+    held-out      science/MODEL/VARIANT/seedN/eval/summary.csv
+    entropy       science/MODEL/entropy/entropy_CARD.csv
+    rollout, kernels, kernel_paths, decode_step, step (efficiency_CARD.csv), memory,
+    quantize, fidelity, footprint: bench/**/NAME_*.csv (or NAME.csv)
+
+A number's ``key()`` (kind/model/recipe/method/bench/metric) names it uniquely and stably,
+so expected values can refer to it; ``bench`` joins the columns that set the measurement
+(e.g. ``lora_rank=32,batch=16,...``), or names the step or benchmark. For measurements
+RECIPE is the card. Where a file holds a measurement twice (a benchmark rerun appends), the
+later row wins.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
+import yaml
 
-COLUMNS = ["kind", "model", "recipe", "method", "bench", "metric", "value", "source"]
+from qerl.errors import QerlError
+
+COLUMNS = ["kind", "card", "model", "recipe", "method", "bench", "metric", "value", "source"]
+IDENTITY = ["model", "recipe", "method", "bench"]
 EVAL_METRICS = ("avg@", "pass@")
 TRAIN_METRICS = ("reward", "entropy", "loss", "step_time", "rollout/tokens_per_s",
                  "memory/peak_gb", "aqn/sigma")
+# A ratio pairs a step with the LoRA step measured within this time of it: one run, or runs
+# back to back on one machine, so that no ratio mixes code versions or machines.
+PAIR_WINDOW_HOURS = 1.0
+STEP_SETTINGS = ("lora_rank", "prompts", "generations", "completion", "micro_batch",
+                 "grad_ckpt")
+
+
+class ResultsError(QerlError):
+    """A results file that cannot be read as the kind of result its path says it is."""
 
 
 def key(row) -> str:
@@ -26,114 +57,263 @@ def key(row) -> str:
     return "/".join(str(p) for p in parts if isinstance(p, str) and p)
 
 
-def _eval(results: Path) -> list[dict]:
-    rows = []
-    for summary in sorted(results.glob("eval/*/*/*/summary.csv")):
-        model, recipe, method = summary.parts[-4:-1]
-        if method == "external":  # lm-eval / lighteval rows: below
+# ---- readers: a file -> its rows with the naming columns, and the files they read --------
+
+def _path_names(path: Path, *names: str, above: int = 1) -> dict[str, str]:
+    """The folder names above ``path``'s own folder (``above`` levels up first), e.g.
+    eval/MODEL/RECIPE/METHOD/summary.csv -> {model, recipe, method}."""
+    folders = path.parts[:len(path.parts) - above]
+    return dict(zip(names, folders[-len(names):], strict=True))
+
+
+def _run_context(folder: Path) -> tuple[dict, list[Path]]:
+    """The card (provenance.json) and learning rate (config.yaml) of a training run."""
+    context, read = {}, []
+    provenance, config = folder / "provenance.json", folder / "config.yaml"
+    if provenance.is_file():
+        context["card"] = json.loads(provenance.read_text()).get("card")
+        read.append(provenance)
+    if config.is_file():
+        train = (yaml.safe_load(config.read_text()) or {}).get("train") or {}
+        context["learning_rate_set"] = train.get("learning_rate")
+        read.append(config)
+    return context, read
+
+
+def _eval(path: Path):
+    names = _path_names(path, "model", "recipe", "method")
+    if names["method"] == "external":
+        return None, []
+    return pd.read_csv(path).assign(**names), [path]
+
+
+def _external(path: Path):
+    names = _path_names(path, "model", "recipe", above=2)
+    frame = pd.read_csv(path).rename(columns={"tool": "method"})
+    return frame.assign(**names, card=None), [path]
+
+
+def _steps(path: Path, recipe_name: str):
+    names = _path_names(path, "model", recipe_name, "method")
+    context, read = _run_context(path.parent)
+    frame = pd.read_csv(path).assign(**names, **context)
+    return frame.rename(columns={recipe_name: "recipe"}), [path, *read]
+
+
+def _held_out(path: Path):
+    names = _path_names(path, "model", "recipe", "method", above=2)
+    frame = pd.read_csv(path).drop(columns=["model", "method"], errors="ignore")
+    return frame.assign(**names), [path]
+
+
+def _entropy(path: Path):
+    frame = pd.read_csv(path).drop(columns="model", errors="ignore")
+    return frame.assign(model=path.parts[-3]), [path]
+
+
+def _kernel_paths(path: Path):
+    frame = pd.read_csv(path)
+    model_layer = frame.layer.str.rsplit(".", n=1, expand=True)
+    return frame.assign(model=model_layer[0], layer=model_layer[1]), [path]
+
+
+def _csv(path: Path):
+    return pd.read_csv(path), [path]
+
+
+def _footprint(path: Path):
+    return pd.read_csv(path).assign(card="estimate"), [path]
+
+
+# ---- derived columns ----------------------------------------------------------------------
+
+def speed_vs_lora(frame: pd.DataFrame) -> pd.Series:
+    """Each step's speed against LoRA's at the same card, model and settings, measured
+    within PAIR_WINDOW_HOURS of it where the rows are dated (else no ratio)."""
+    group = ["card", "model", *STEP_SETTINGS]
+    lora = frame[frame.method == "lora"].drop_duplicates(group, keep="last").set_index(group)
+    window = pd.Timedelta(hours=PAIR_WINDOW_HOURS)
+
+    def speed(row) -> float | None:
+        key = tuple(row[g] for g in group)
+        if key not in lora.index or not row["step_s"] or pd.isna(lora.loc[key, "step_s"]):
+            return None
+        if "date" in frame and abs(pd.Timestamp(lora.loc[key, "date"])
+                                   - pd.Timestamp(row["date"])) > window:
+            return None
+        return lora.loc[key, "step_s"] / row["step_s"]
+
+    return pd.Series([speed(row) for _, row in frame.iterrows()], index=frame.index,
+                     dtype=float)
+
+
+def _with_speed(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame.assign(speed_vs_lora=speed_vs_lora(frame))
+
+
+# ---- the kinds ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of result: where its files are (``patterns``), how a file becomes rows
+    (``reader``), the columns naming its method and model, the columns that set the
+    measurement (``setting``, joined into ``bench``, or ``label`` from a row), those that
+    hold its numbers (``metrics``, names or prefixes), and a column computed over the
+    whole frame (``derive``)."""
+
+    patterns: tuple[str, ...]
+    reader: Callable = _csv
+    method: str = "method"
+    model: str = "model"
+    measured: bool = True  # a measurement: its recipe is the card (else read from the path)
+    setting: tuple[str, ...] = ()
+    label: Callable | None = None
+    metrics: tuple[str, ...] = ()
+    prefixed: bool = False  # metrics are column-name prefixes
+    long: bool = False  # rows carry a metric name and its value
+    derive: Callable | None = field(default=None)
+
+
+def _setting_label(columns: tuple[str, ...]):
+    """``a=1,b=2`` of the setting columns a row has (a file older than a column has none)."""
+    def label(row) -> str:
+        return ",".join(f"{c}={_plain(row[c])}" for c in columns
+                        if c in row and pd.notna(row[c]))
+    return label
+
+
+def _plain(value):
+    """1.0 -> 1: integer settings read back from a CSV column with gaps are floats."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _step_label(row) -> str:
+    return f"step{int(row['step'])}"
+
+
+def _bench_label(row) -> str:
+    return row["bench"]
+
+
+KINDS = {
+    "eval": Kind(("eval/*/*/*/summary.csv",), _eval, measured=False, label=_bench_label,
+                 metrics=EVAL_METRICS, prefixed=True),
+    "external": Kind(("eval/*/*/external/summary.csv",), _external, measured=False,
+                     label=_bench_label, long=True),
+    "train": Kind(("train/*/*/*/metrics.csv",), lambda p: _steps(p, "recipe"),
+                  measured=False, label=_step_label, metrics=TRAIN_METRICS),
+    "science": Kind(("science/*/*/seed*/metrics.csv",), lambda p: _steps(p, "variant"),
+                    measured=False, label=_step_label, metrics=("reward", "entropy")),
+    "held-out": Kind(("science/*/*/seed*/eval/summary.csv",), _held_out, measured=False,
+                     label=_bench_label, metrics=EVAL_METRICS, prefixed=True),
+    "entropy": Kind(("science/*/entropy/entropy_*.csv",), _entropy, method="weights",
+                    setting=("prompts", "tokens", "sigma"),
+                    metrics=("own_entropy", "shared_entropy", "shared_minus_bf16")),
+    "rollout": Kind(("bench/**/rollout_*.csv",), method="weights",
+                    setting=("lora_rank", "batch", "prompt_len", "gen_len", "fused"),
+                    metrics=("tok_per_s", "peak_gb")),
+    "kernels": Kind(("bench/**/kernels_*.csv",), method="op", setting=("layer", "M"),
+                    metrics=("speedup_vs_bf16", "ours_us", "bf16_us", "triton_fused_us")),
+    "kernel_paths": Kind(("bench/**/kernel_paths_*.csv",), _kernel_paths, method="path",
+                         setting=("layer", "op", "M"),
+                         metrics=("speedup_vs_bf16", "us", "bf16_us")),
+    "decode_step": Kind(("bench/**/decode_step_*.csv",), method="weights",
+                        setting=("lora_rank", "fused", "batch", "context"),
+                        metrics=("step_ms", "kernels")),
+    "step": Kind(("bench/**/efficiency_*.csv",), setting=STEP_SETTINGS,
+                 metrics=("step_s", "rollout_s", "score_s", "train_s", "optimizer_s",
+                          "rollout_tok_per_s", "peak_gb", "speed_vs_lora"),
+                 derive=_with_speed),
+    "memory": Kind(("bench/**/memory_*.csv",), model="arch", setting=("lora_rank",),
+                   metrics=("weights_gb", "projections_gb", "dense_gb", "lora_gb",
+                            "build_peak_gb")),
+    "quantize": Kind(("bench/**/quantize*.csv",), method="source", model="arch",
+                     metrics=("seconds", "load_only_s", "peak_rss_gb", "peak_rss_over_bf16",
+                              "checkpoint_gb", "mean_rel_error")),
+    "fidelity": Kind(("bench/**/fidelity*.csv",), method="compared",
+                     setting=("reference", "questions", "greedy_tokens"),
+                     metrics=("top1_agreement", "mean_kl_nats", "greedy_equal",
+                              "greedy_common_prefix")),
+    "footprint": Kind(("bench/**/footprint_*.csv",), _footprint,
+                      setting=("prompts", "generations", "completion", "micro_batch",
+                               "lora_rank"),
+                      metrics=("weights", "lora", "kv_cache", "checkpointed", "layer",
+                               "total", "measured_peak_gb")),
+}
+
+
+@dataclass
+class Results:
+    """A results tree read: ``frames`` by kind, ``values`` (the long table) and every
+    file that was read."""
+
+    frames: dict[str, pd.DataFrame]
+    values: pd.DataFrame
+    files: set[Path]
+
+
+def read(name: str, paths: list[Path]) -> tuple[pd.DataFrame, set[Path]]:
+    """The frame of kind ``name`` from ``paths``, and the files read for it (a training
+    run's provenance and settings beside its metrics)."""
+    kind = KINDS[name]
+    parts, files = [], set()
+    for path in paths:
+        try:
+            frame, read_files = kind.reader(path)
+        except (OSError, ValueError, KeyError, AttributeError, yaml.YAMLError) as e:
+            raise ResultsError(f"{path}: cannot be read as {name} results: {e}") from e
+        if frame is None:
             continue
-        table = pd.read_csv(summary)
-        for record in table.to_dict("records"):
-            metrics = [c for c in table.columns if c.startswith(EVAL_METRICS)]
-            rows += [{"kind": "eval", "model": model, "recipe": recipe, "method": method,
-                      "bench": record["bench"], "metric": m, "value": record[m],
-                      "source": str(summary)} for m in metrics]
-    for summary in sorted(results.glob("eval/*/base/external/summary.csv")):
-        model = summary.parts[-4]
-        for record in pd.read_csv(summary).to_dict("records"):
-            rows.append({"kind": "external", "model": model, "recipe": "base",
-                         "method": record["tool"], "bench": record["bench"],
-                         "metric": record["metric"], "value": record["value"],
-                         "source": str(summary)})
-    return rows
+        files.update(read_files)
+        # Renamed first: quantize's method column is named source, the file's column here.
+        frame = frame.rename(columns={kind.method: "method", kind.model: "model"})
+        missing = [given for given, column in ((kind.model, "model"), (kind.method, "method"))
+                   if column not in frame]
+        if missing:
+            raise ResultsError(f"{path}: {name} results need the column(s) {missing}")
+        parts.append(frame.assign(source=str(path)))
+    if not parts:
+        return pd.DataFrame(), files
+    frame = pd.concat(parts, ignore_index=True)
+    for column in ("card", *kind.setting):  # a file older than the column lacks it
+        if column not in frame:
+            frame[column] = None
+    if kind.measured:
+        frame["recipe"] = frame["card"]
+    label = kind.label or _setting_label(kind.setting)
+    frame["bench"] = [label(row) for row in frame.to_dict("records")]
+    identity = [*IDENTITY, "metric"] if kind.long else IDENTITY
+    frame = frame.drop_duplicates(identity, keep="last").reset_index(drop=True)
+    if kind.derive is not None:
+        frame = kind.derive(frame)
+    return frame, files
 
 
-def _train(results: Path) -> list[dict]:
-    rows = []
-    for metrics in sorted(results.glob("train/*/*/*/metrics.csv")):
-        model, recipe, method = metrics.parts[-4:-1]
-        table = pd.read_csv(metrics)
-        for record in table.to_dict("records"):
-            rows += [{"kind": "train", "model": model, "recipe": recipe, "method": method,
-                      "bench": f"step{int(record['step'])}", "metric": m, "value": record[m],
-                      "source": str(metrics)}
-                     for m in TRAIN_METRICS if m in table and pd.notna(record[m])]
-    return rows
+def _long(name: str, kind: Kind, frame: pd.DataFrame) -> list[dict]:
+    ident = ["card", "model", "recipe", "method", "bench", "source"]
+    if kind.long:
+        rows = frame[[*ident, "metric", "value"]].to_dict("records")
+    else:
+        metrics = [c for c in frame.columns
+                   if (c.startswith(kind.metrics) if kind.prefixed else c in kind.metrics)]
+        rows = frame[ident + metrics].melt(id_vars=ident, var_name="metric").to_dict("records")
+    return [{**row, "kind": name} for row in rows
+            if pd.api.types.is_number(row["value"]) and pd.notna(row["value"])]
 
 
-def _rollout(results: Path) -> list[dict]:
-    rows = []
-    for csv in sorted(results.glob("bench/**/rollout_*.csv")):
-        for r in pd.read_csv(csv).to_dict("records"):
-            rows.append({"kind": "rollout", "model": r["model"], "recipe": r["card"],
-                         "method": r["weights"],
-                         "bench": f"r{r['lora_rank']}-b{r['batch']}-p{r['prompt_len']}",
-                         "metric": "tok_per_s", "value": r["tok_per_s"], "source": str(csv)})
-    return rows
-
-
-def _kernels(results: Path) -> list[dict]:
-    rows = []
-    for csv in sorted(results.glob("bench/**/kernels_*.csv")):
-        for r in pd.read_csv(csv).to_dict("records"):
-            rows.append({"kind": "kernels", "model": r["model"], "recipe": r["card"],
-                         "method": r["op"], "bench": f"{r['layer']}-M{r['M']}",
-                         "metric": "speedup_vs_bf16", "value": r["speedup_vs_bf16"],
-                         "source": str(csv)})
-    return rows
-
-
-def _efficiency(results: Path) -> list[dict]:
-    """The newest step of each model, method and settings, with its speed against LoRA's
-    from the same run (``qerl bench step``'s own pairing)."""
-    from qerl.bench.step import compare
-
-    rows = []
-    for csv in sorted(results.glob("bench/**/efficiency_*.csv")):
-        frame = compare(pd.read_csv(csv)).rename(columns={"speed vs lora": "speed_vs_lora"})
-        for r in frame.to_dict("records"):
-            setting = f"G{r['generations']}-L{r['completion']}-P{r['prompts']}"
-            rows += [{"kind": "step", "model": r["model"], "recipe": r["card"],
-                      "method": r["method"], "bench": setting, "metric": m, "value": r[m],
-                      "source": str(csv)}
-                     for m in ("step_s", "rollout_s", "train_s", "peak_gb", "speed_vs_lora")
-                     if pd.notna(r[m])]
-    return rows
-
-
-def _science(results: Path) -> list[dict]:
-    """The study's runs (science/MODEL/VARIANT/seedN/): every step, the held-out accuracy,
-    and the entropy benchmark."""
-    rows = []
-    for metrics in sorted(results.glob("science/*/*/seed*/metrics.csv")):
-        model, variant, seed = metrics.parts[-4:-1]
-        for record in pd.read_csv(metrics).to_dict("records"):
-            rows += [{"kind": "science", "model": model, "recipe": variant, "method": seed,
-                      "bench": f"step{int(record['step'])}", "metric": m, "value": record[m],
-                      "source": str(metrics)}
-                     for m in ("reward", "entropy") if m in record and pd.notna(record[m])]
-    for summary in sorted(results.glob("science/*/*/seed*/eval/summary.csv")):
-        model, variant, seed = summary.parts[-5:-2]
-        for record in pd.read_csv(summary).to_dict("records"):
-            rows += [{"kind": "science", "model": model, "recipe": variant, "method": seed,
-                      "bench": f"held-out-{record['bench']}", "metric": m, "value": record[m],
-                      "source": str(summary)} for m in record if m.startswith(EVAL_METRICS)]
-    for csv in sorted(results.glob("science/*/entropy/entropy_*.csv")):
-        for r in pd.read_csv(csv).to_dict("records"):
-            rows += [{"kind": "entropy", "model": csv.parts[-3], "recipe": r["card"],
-                      "method": r["weights"], "bench": kind, "metric": "entropy",
-                      "value": r[f"{kind}_entropy"], "source": str(csv)}
-                     for kind in ("own", "shared")]
-    return rows
-
-
-def collect(results: Path) -> pd.DataFrame:
-    """Every number under ``results`` (see the module docstring); later rows of the same key
-    (a benchmark rerun appends) replace earlier ones."""
-    rows = (_eval(results) + _train(results) + _rollout(results) + _kernels(results)
-            + _efficiency(results) + _science(results))
-    table = pd.DataFrame(rows, columns=COLUMNS)
-    if table.empty:
-        return table.assign(key=pd.Series(dtype=str))
-    table["key"] = table.apply(key, axis=1)
-    return table.drop_duplicates("key", keep="last").reset_index(drop=True)
+def collect(results: Path) -> Results:
+    """Every result under ``results`` (see the module docstring)."""
+    frames, files, rows = {}, set(), []
+    for name, kind in KINDS.items():
+        paths = [path for pattern in kind.patterns for path in sorted(results.glob(pattern))]
+        frame, read_files = read(name, paths)
+        files |= read_files
+        if not frame.empty:
+            frames[name] = frame
+            rows += _long(name, kind, frame)
+    values = pd.DataFrame(rows, columns=COLUMNS)
+    values["key"] = [key(row) for row in values.to_dict("records")] if len(values) else []
+    values = values.drop_duplicates("key", keep="last").reset_index(drop=True)
+    return Results(frames, values, files)

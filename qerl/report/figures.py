@@ -1,11 +1,19 @@
-"""Figures: reward and entropy curves per run, rollout throughput by LoRA rank, kernel
-speed-ups."""
+"""Figures, one per concept (and per card, where the figure is of a card's measurements):
+reward and entropy per run and per study, entropy by weight format, rollout throughput by
+LoRA rank (the paper's figure) and NVFP4's rollout speed-up by batch, kernel speed-ups by
+M, and one RL step by phase with its memory. Each takes the frames ``collect`` read and the
+paper's numbers and returns the files it wrote."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
+
+from qerl.report.collect import STEP_SETTINGS
+from qerl.report.tables import ROLLOUT_METHOD, efficiency, paper_model
+from qerl.rl.phases import PHASES
 
 SMOOTH = 10  # steps in the running mean of the study's curves
 
@@ -21,87 +29,56 @@ def _pyplot():
 
 def _save(plt, fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
+def _file(card: str) -> str:
+    return card.replace(" ", "_")
+
+
 def _by_step(frame: pd.DataFrame, draw, title: str, path: Path) -> Path:
-    """Reward and entropy side by side against the step; ``draw(ax, rows)`` plots one
-    metric's rows."""
+    """Reward and entropy side by side against the step; ``draw(ax, frame, metric)`` plots
+    one metric."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, metric in zip(axes, ["reward", "entropy"], strict=True):
-        draw(ax, frame[frame.metric == metric])
+        draw(ax, frame, metric)
         ax.set(xlabel="step", ylabel=metric, title=metric)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     return _save(plt, fig, path)
 
 
-def _steps(values: pd.DataFrame, kind: str) -> pd.DataFrame:
-    rows = values[(values.kind == kind) & values.bench.str.startswith("step")
-                  & values.metric.isin(["reward", "entropy"])].copy()
-    rows["step"] = rows.bench.str.removeprefix("step").astype(int)
-    return rows
-
-
-def curves(values: pd.DataFrame, out: Path) -> list[Path]:
-    """One figure per (model, recipe): reward and entropy by step, a line per method."""
-
-    def draw(ax, rows):
-        for method, run in rows.groupby("method"):
-            run = run.sort_values("step")
-            ax.plot(run.step, run.value, marker="o", label=method)
-
-    return [_by_step(runs, draw, f"{model} {recipe}", out / f"curves_{model}_{recipe}.png")
-            for (model, recipe), runs in _steps(values, "train").groupby(["model", "recipe"])]
-
-
-def throughput_by_rank(values: pd.DataFrame, out: Path) -> list[Path]:
-    rollout = values[values.kind == "rollout"].copy()
-    if rollout.empty:
+def curves(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
+    """One figure per (model, recipe) of `qerl train` runs: reward and entropy by step, a
+    line per method."""
+    runs = frames.get("train")
+    if runs is None:
         return []
-    plt = _pyplot()
-    parts = rollout.bench.str.extract(r"r(?P<rank>\d+)-b(?P<batch>\d+)-p(?P<prompt>\d+)")
-    rollout = rollout.join(parts.astype(int))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for (model, weights, batch), group in rollout.groupby(["model", "method", "batch"]):
-        group = group.groupby("rank").value.mean()
-        if len(group) > 1:
-            ax.plot(group.index, group.values, marker="o", label=f"{model} {weights} b{batch}")
-    ax.set(xlabel="LoRA rank", ylabel="tokens/s", title="rollout throughput by LoRA rank")
-    ax.legend(fontsize=6)
-    return [_save(plt, fig, out / "rollout_by_rank.png")]
+
+    def draw(ax, frame, metric):
+        for method, run in frame.groupby("method"):
+            if metric in run:
+                run = run.sort_values("step")
+                ax.plot(run.step, run[metric], marker="o", label=method)
+
+    return [_by_step(group, draw, f"{model} {recipe}", out / f"curves_{model}_{recipe}.png")
+            for (model, recipe), group in runs.groupby(["model", "recipe"])]
 
 
-def kernel_speedups(values: pd.DataFrame, out: Path) -> list[Path]:
-    kernels = values[(values.kind == "kernels") & (values.method == "fwd")].copy()
-    if kernels.empty:
-        return []
-    plt = _pyplot()
-    parts = kernels.bench.str.extract(r"(?P<layer>.+)-M(?P<m>\d+)")
-    kernels = kernels.join(parts)
-    kernels["m"] = kernels.m.astype(int)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for (model, layer), group in kernels.groupby(["model", "layer"]):
-        group = group.sort_values("m")
-        ax.plot(group.m, group.value, marker="o", label=f"{model} {layer}")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set(xscale="log", xlabel="M (tokens)", ylabel="speed-up vs cuBLAS BF16",
-           title="NVFP4 matmul")
-    ax.legend(fontsize=6)
-    return [_save(plt, fig, out / "kernel_speedups.png")]
-
-
-def science_curves(values: pd.DataFrame, out: Path) -> list[Path]:
+def science_curves(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
     """Reward and entropy by step for each variant of the study: mean over seeds, with a
     band of one standard deviation, both as running means over SMOOTH steps (one step's
     reward is a mean over a few dozen completions: too noisy to read)."""
+    runs = frames.get("science")
+    if runs is None:
+        return []
 
-    def draw(ax, rows):
-        for variant, part in rows.groupby("recipe"):
-            stats = part.groupby("step").value.agg(["mean", "std", "count"])
+    def draw(ax, frame, metric):
+        for variant, part in frame.groupby("recipe"):
+            stats = part.groupby("step")[metric].agg(["mean", "std", "count"])
             stats[["mean", "std"]] = stats[["mean", "std"]].rolling(SMOOTH, min_periods=1
                                                                     ).mean()
             spread = stats["std"].fillna(0)
@@ -109,9 +86,200 @@ def science_curves(values: pd.DataFrame, out: Path) -> list[Path]:
             ax.fill_between(stats.index, stats["mean"] - spread, stats["mean"] + spread,
                             alpha=0.2)
 
-    return [_by_step(runs, draw, f"{model}: mean +- std over seeds (in brackets), "
+    return [_by_step(group, draw, f"{model}: mean +- std over seeds (in brackets), "
                      f"{SMOOTH}-step running mean", out / f"science_{model}.png")
-            for model, runs in _steps(values, "science").groupby("model")]
+            for model, group in runs.groupby("model")]
 
 
-FIGURES = (curves, throughput_by_rank, kernel_speedups, science_curves)
+def entropy(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
+    """Per model and card: mean token entropy by weight format, on each variant's own
+    samples and on BF16's, with 95% bootstrap intervals."""
+    rows = frames.get("entropy")
+    if rows is None:
+        return []
+    plt = _pyplot()
+    written = []
+    for (model, card), group in rows.groupby(["model", "card"]):
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        x = np.arange(len(group))
+        for offset, kind in ((-0.18, "own"), (0.18, "shared")):
+            means = group[f"{kind}_entropy"].to_numpy()
+            if f"{kind}_low" in group:
+                errors = [means - group[f"{kind}_low"].to_numpy(),
+                          group[f"{kind}_high"].to_numpy() - means]
+            else:
+                errors = None
+            ax.bar(x + offset, means, width=0.36, yerr=errors, capsize=3,
+                   label=f"{kind} samples")
+        ax.set_xticks(x, group.method)
+        size = ("" if group.prompts.isna().all() else
+                f": {group.prompts.max():.0f} prompts x {group.tokens.max():.0f} tokens")
+        ax.set(ylabel="mean token entropy (nats)", title=f"{model}, {card}{size}")
+        ax.legend(fontsize=7)
+        written.append(_save(plt, fig, out / f"entropy_{model}_{_file(card)}.png"))
+    return written
+
+
+def _engine_rollouts(frames: dict) -> pd.DataFrame | None:
+    rows = frames.get("rollout")
+    if rows is None:
+        return None
+    return rows[(rows.method != "hf-bf16") & (rows.fused != 0)]  # the engine as it runs
+
+
+def rollout_by_rank(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
+    """The paper's rollout figure, per card: tokens/s against LoRA rank for each (model,
+    batch, prompt, generated length) measured at several ranks, a line per weights, the
+    paper's numbers dashed in the same colour (its LoRA, QLoRA and QeRL: our bf16, nf4 and
+    nvfp4), Hugging Face generate as a dotted level."""
+    engine = _engine_rollouts(frames)
+    if engine is None:
+        return []
+    plt = _pyplot()
+    theirs = paper[(paper.metric == "rollout_throughput") & paper.lora_rank.notna()]
+    theirs = theirs.assign(model=theirs.model.map(paper_model))
+    colours = {w: f"C{i}" for i, w in enumerate(ROLLOUT_METHOD)}
+    settings = ["model", "batch", "prompt_len", "gen_len"]
+    written = []
+    for card, rows in engine.groupby("card"):
+        panels = [(k, g) for k, g in rows.groupby(settings, dropna=False)
+                  if g.lora_rank.nunique() > 1]
+        if not panels:
+            continue
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8),
+                                 squeeze=False)
+        for ax, ((model, batch, prompt_len, gen_len), sel) in zip(axes[0], panels,
+                                                                   strict=True):
+            for weights, g in sel.groupby("method"):
+                g = g.sort_values("lora_rank")
+                ax.plot(g.lora_rank, g.tok_per_s, marker="o", color=colours.get(weights),
+                        label=f"ours {weights}")
+                method = ROLLOUT_METHOD.get(weights)
+                ref = theirs[(theirs.model == paper_model(model)) & (theirs.method == method)]
+                if len(ref):
+                    ax.plot(ref.lora_rank, ref.value, ls="--", marker="x",
+                            color=colours.get(weights), label=f"paper {method}")
+            hf = frames["rollout"]
+            hf = hf[(hf.method == "hf-bf16") & (hf.card == card) & (hf.model == model)
+                    & (hf.batch == batch) & (hf.prompt_len == prompt_len)]
+            if len(hf):
+                ax.axhline(hf.tok_per_s.iloc[-1], color="grey", ls=":",
+                           label="HF generate bf16")
+            ax.set(title=f"{model} batch {batch} prompt {prompt_len} gen {gen_len}",
+                   xlabel="LoRA rank", ylabel="tokens/s")
+            ax.legend(fontsize=7)
+        fig.suptitle(f"Rollout throughput by LoRA rank, {card}")
+        written.append(_save(plt, fig, out / f"rollout_by_rank_{_file(card)}.png"))
+    return written
+
+
+def rollout_speedup(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
+    """Per card: NVFP4's rollout tokens/s over BF16's (same run, LoRA attached) against the
+    batch, a line per model, rank, prompt and generated length."""
+    engine = _engine_rollouts(frames)
+    if engine is None:
+        return []
+    plt = _pyplot()
+    written = []
+    for card, rows in engine.groupby("card"):
+        settings = ["model", "lora_rank", "prompt_len", "gen_len", "batch", "method"]
+        rows = rows.drop_duplicates(settings, keep="last")  # the fused run over an unmarked one
+        wide = rows.set_index(settings).tok_per_s.unstack("method")
+        if not {"bf16", "nvfp4"} <= set(wide.columns):
+            continue
+        ratio = (wide.nvfp4 / wide.bf16).dropna().reset_index(name="ratio")
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for (model, rank, prompt_len, gen_len), g in ratio.groupby(
+                ["model", "lora_rank", "prompt_len", "gen_len"], dropna=False):
+            ax.plot(g.batch, g.ratio, marker="o",
+                    label=f"{model} r{rank} prompt {prompt_len} gen {gen_len}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="batch (sequences)", ylabel="NVFP4 tokens/s / BF16 tokens/s",
+               title=f"Rollout speed-up of NVFP4 over BF16, {card}")
+        ax.legend(fontsize=6)
+        written.append(_save(plt, fig, out / f"rollout_speedup_{_file(card)}.png"))
+    return written
+
+
+def kernel_speedups(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
+    """Per card: the NVFP4 matmul's speed-up over cuBLAS BF16 against M, forward and input
+    gradient by layer, a line per model; dotted, the speed-up if NVFP4 ran at its floor
+    (its fewest bytes at the measured copy bandwidth)."""
+    rows = frames.get("kernels")
+    if rows is None:
+        return []
+    plt = _pyplot()
+    written = []
+    for card, group in rows.groupby("card"):
+        layers = list(dict.fromkeys(group.layer))
+        fig, axes = plt.subplots(2, len(layers), figsize=(4 * len(layers), 7), sharey=True,
+                                 squeeze=False)
+        for row, op in enumerate(("fwd", "bwd")):
+            for col, layer in enumerate(layers):
+                ax = axes[row][col]
+                sel = group[(group.method == op) & (group.layer == layer)]
+                for model, g in sel.groupby("model"):
+                    g = g.sort_values("M")
+                    ax.plot(g.M, g.speedup_vs_bf16, marker="o", label=model)
+                    if "floor_us" in g:
+                        ax.plot(g.M, g.bf16_us / g.floor_us, ls=":", alpha=0.5)
+                ax.axhline(1.0, color="grey", lw=0.8)
+                ax.set_xscale("log", base=2)
+                ax.set(title=f"{layer} {op}", xlabel="M (tokens)")
+        axes[0][0].set_ylabel("speed-up vs cuBLAS BF16 (dotted: NVFP4 floor)")
+        axes[0][0].legend(fontsize=7)
+        fig.suptitle(f"NVFP4 matmul, {card}")
+        written.append(_save(plt, fig, out / f"kernels_{_file(card)}.png"))
+    return written
+
+
+def step(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
+    """Per card and settings: each (model, method)'s step time stacked by phase with its
+    speed against LoRA (the paper's in brackets), and its peak GPU memory against an 80 GB
+    card (runs out of memory drawn in red, at the peak they reached)."""
+    table = efficiency(frames, paper)
+    if table.empty:
+        return []
+    plt = _pyplot()
+    settings = list(STEP_SETTINGS)
+    written = []
+    for card, rows in table.groupby("card"):
+        groups = list(rows.groupby(settings, sort=False))
+        fig, axes = plt.subplots(2, len(groups), figsize=(1.1 * len(rows) + 3, 6.5),
+                                 squeeze=False, sharey="row")
+        for col, (values, group) in enumerate(groups):
+            labels = [f"{m.removeprefix('qwen2.5-')}\n{method}"
+                      for m, method in zip(group.model, group.method, strict=True)]
+            bottom = np.zeros(len(group))
+            for phase in [p for p in PHASES if f"{p}_s" in group]:
+                heights = group[f"{phase}_s"].fillna(0).to_numpy()
+                axes[0][col].bar(labels, heights, bottom=bottom, label=phase)
+                bottom = bottom + heights
+            for x, (top, ours, theirs) in enumerate(zip(
+                    bottom, group["speed_vs_lora"], group["paper speed vs lora"],
+                    strict=True)):
+                if pd.notna(ours):
+                    text = f"{ours:.2f}x" + (f"\n({theirs:.1f}x)" if pd.notna(theirs) else "")
+                    axes[0][col].annotate(text, (x, top), ha="center", va="bottom",
+                                          fontsize=6)
+            s = dict(zip(settings, values, strict=True))
+            axes[0][col].set_title(f"P={s['prompts']} G={s['generations']} "
+                                   f"L={s['completion']} mb={s['micro_batch']}"
+                                   + (" ckpt" if s["grad_ckpt"] else ""), fontsize=8)
+            colours = ["C3" if status == "oom" else "C7"
+                       for status in group.get("status", [None] * len(group))]
+            axes[1][col].bar(labels, group.peak_gb.fillna(0), color=colours)
+            axes[1][col].axhline(80, color="k", ls=":", lw=1)
+            for ax in axes[:, col]:
+                ax.tick_params(axis="x", labelsize=7)
+        axes[0][0].set_ylabel("step time (s)")
+        axes[0][0].legend(fontsize=7)
+        axes[1][0].set_ylabel("peak GPU memory (GB)\nred: out of memory")
+        fig.suptitle(f"One RL step, {card}")
+        written.append(_save(plt, fig, out / f"step_{_file(card)}.png"))
+    return written
+
+
+FIGURES = (curves, science_curves, entropy, rollout_by_rank, rollout_speedup,
+           kernel_speedups, step)

@@ -1,31 +1,45 @@
-"""Write results/tables/*.md|csv, results/figures/*.png and results/tables/values.csv."""
+"""Write RESULTS/tables/*.md|csv, RESULTS/figures/*.png and RESULTS/tables/values.csv from
+everything under RESULTS, the paper's numbers (package data) beside ours."""
 
 from __future__ import annotations
 
+from importlib.resources import files
 from pathlib import Path
 
 import pandas as pd
 
-from qerl.report.check import check
-from qerl.report.collect import collect
+from qerl.errors import QerlError
+from qerl.report.check import DriftError, check
+from qerl.report.collect import collect, read
 from qerl.report.figures import FIGURES
 from qerl.report.tables import TABLES
 
-PAPER = Path(__file__).parents[2] / "results" / "reference" / "paper.csv"
+PAPER = files("qerl.report") / "paper.csv"
+OUTPUTS = ("tables", "figures")  # what the report writes under the results folder
 
 
-def report(results: Path, paper: Path = PAPER, expected: Path | None = None) -> dict:
+def read_paper(path=PAPER) -> pd.DataFrame:
+    with path.open() as f:
+        return pd.read_csv(f)
+
+
+def report(results: Path, paper: Path | None = None, expected: Path | None = None) -> dict:
     """Tables and figures of everything under ``results``; with ``expected``, raise
-    DriftError if a value drifted past its tolerance. Returns what was written."""
-    values = collect(results)
+    DriftError if a value drifted past its tolerance or a file under ``results`` is read by
+    no table. Returns what was written, and those unread files."""
+    if not results.is_dir():
+        raise QerlError(f"no results folder at {results}")
+    if paper is not None and not paper.is_file():
+        raise QerlError(f"no paper numbers at {paper}")
+    read = collect(results)
+    reference = read_paper(paper or PAPER)
     tables_dir, figures_dir = results / "tables", results / "figures"
     tables_dir.mkdir(parents=True, exist_ok=True)
     figures_dir.mkdir(parents=True, exist_ok=True)
-    values.to_csv(tables_dir / "values.csv", index=False)
+    read.values.to_csv(tables_dir / "values.csv", index=False)
     written = {"values": tables_dir / "values.csv", "tables": [], "figures": []}
-    reference = pd.read_csv(paper)
     for name, build in TABLES.items():
-        table = build(values, reference)
+        table = build(read.frames, reference)
         if table.empty:
             continue
         table.to_csv(tables_dir / f"{name}.csv", index=False)
@@ -33,7 +47,33 @@ def report(results: Path, paper: Path = PAPER, expected: Path | None = None) -> 
                                                + "\n")
         written["tables"].append(name)
     for draw in FIGURES:
-        written["figures"] += [p.name for p in draw(values, figures_dir)]
+        written["figures"] += [p.name for p in draw(read.frames, reference, figures_dir)]
+    written["unread"] = [str(path) for path in unread(results, read.files)]
     if expected is not None:
-        check(values, expected)
+        check(read.values, expected)
+        if written["unread"]:  # a result that no table shows is a result lost
+            raise DriftError(f"files under {results} that no table reads: {written['unread']}")
     return written
+
+
+def unread(results: Path, read: set[Path]) -> list[Path]:
+    """Files under ``results`` that no kind of result reads (READMEs and what the report
+    writes aside): a result in the wrong place, or a kind the report does not know."""
+    return sorted(path for path in results.rglob("*")
+                  if path.is_file() and path not in read and path.name != "README.md"
+                  and path.relative_to(results).parts[0] not in OUTPUTS)
+
+
+# The table that shows each kind of result, where it is not named after the kind.
+TABLE_OF = {"step": "efficiency", "eval": "accuracy", "train": "training",
+            "held-out": "science"}
+
+
+def summary(kind: str, path: Path) -> str:
+    """Markdown: the table of one results file of ``kind`` (what a benchmark prints when
+    it has written its rows)."""
+    frame, _ = read(kind, [path])
+    if frame.empty:
+        return ""
+    table = TABLES[TABLE_OF.get(kind, kind)]({kind: frame}, read_paper())
+    return table.to_markdown(index=False, floatfmt=".4g")

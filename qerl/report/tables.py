@@ -1,146 +1,266 @@
-"""Tables of reproduced numbers with the paper's beside them (markdown and CSV)."""
+"""Tables of the results, one per kind (collect.KINDS), the paper's numbers beside ours where
+it gives them. Each takes the frames ``collect`` read and the paper's numbers, and returns
+an empty frame when there is nothing to show."""
 
 from __future__ import annotations
 
 import pandas as pd
 
+from qerl.methods import METHODS
+from qerl.report.collect import KINDS
+from qerl.rl.phases import PHASES
+
 PAPER_METRIC = {"gsm8k": "gsm8k_accuracy", "math500": "math500_accuracy"}
-# Our rollout weights -> the paper's method for the same rollout (LoRA on a BF16 base, or
-# qerl on NVFP4).
-ROLLOUT_METHOD = {"bf16": "lora", "nvfp4": "qerl"}
+# Our rollout weights -> the paper's method for the same rollout (LoRA on a BF16 base, QLoRA
+# on NF4, qerl on NVFP4).
+ROLLOUT_METHOD = {"bf16": "lora", "nf4": "qlora", "nvfp4": "qerl"}
 
 
 def paper_model(model: str) -> str:
-    """'qwen2.5-7b-instruct' and 'qwen2.5-7b' both name the paper's Qwen2.5-7B-Instruct."""
+    """'qwen2.5-7b-instruct', 'Qwen2.5-7B-Instruct' and 'qwen2.5-7b' all name the paper's
+    Qwen2.5-7B-Instruct."""
     return model.lower().removesuffix("-instruct")
 
 
-def accuracy(values: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
-    """pass@1 (%) of every trained policy and base model, the paper's accuracy beside it."""
-    ours = values[(values.kind == "eval") & (values.metric == "pass@1")]
-    if ours.empty:
+def _present(frame: pd.DataFrame, columns) -> list[str]:
+    return [c for c in columns if c in frame]
+
+
+def _by_size(column: pd.Series) -> pd.Series:
+    """Sort key: models by the size in their name (qwen2.5-7b before qwen2.5-14b), methods
+    in the project's order, anything else as it is."""
+    if column.name == "model":
+        return column.str.extract(r"(\d+(?:\.\d+)?)b", expand=False).astype(float).fillna(0)
+    if column.name == "method":
+        return column.map(lambda m: METHODS.index(m) if m in METHODS else len(METHODS))
+    return column
+
+
+def _sorted(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    return frame.sort_values(_present(frame, by), key=_by_size, kind="stable"
+                             ).reset_index(drop=True)
+
+
+def _wide(frame: pd.DataFrame, index: list[str], columns: str, values: str) -> pd.DataFrame:
+    """One row per ``index``, a column per value of ``columns`` (rows are unique per
+    measurement: collect keeps the newest). Unlike pivot_table it keeps rows whose settings
+    are partly missing (a file older than a setting's column)."""
+    wide = frame.set_index([*index, columns])[values].unstack(columns)
+    wide.columns.name = None
+    return wide.reset_index()
+
+
+def _by_weights(frame: pd.DataFrame, kind: str, value: str, speedup: str) -> pd.DataFrame:
+    """A row per card, model and setting of ``kind``, a column of ``value`` per weights, and
+    NVFP4's speed-up over BF16 (``speedup``: "nvfp4/bf16" for a rate, "bf16/nvfp4" for a
+    time) where both ran."""
+    wide = _wide(frame, ["card", "model", *KINDS[kind].setting], "method", value)
+    if {"bf16", "nvfp4"} <= set(wide.columns):
+        over, under = speedup.split("/")
+        wide[speedup] = wide[over] / wide[under]
+    return wide
+
+
+def listing(kind: str):
+    """The default table of a kind: one row per measurement, its settings and numbers."""
+
+    def table(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
+        frame = frames.get(kind)
+        if frame is None:
+            return pd.DataFrame()
+        spec = KINDS[kind]
+        columns = ["card", "model", "method", *spec.setting, *spec.metrics]
+        return _sorted(frame[_present(frame, columns)], ["card", "model", "method"])
+
+    table.__doc__ = f"Every {kind} measurement: its settings and numbers."
+    return table
+
+
+def accuracy(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
+    """pass@1 (%) of every trained policy and base model (and pass@k where k samples were
+    drawn), the paper's accuracy beside it."""
+    ours = frames.get("eval")
+    if ours is None:
         return pd.DataFrame()
-    table = ours.assign(reproduced=ours.value * 100)[
-        ["model", "recipe", "method", "bench", "reproduced"]]
+    table = ours[_present(ours, ["model", "recipe", "method", "card", "bench", "problems",
+                                 "samples"])].copy()
+    table["reproduced"] = ours["pass@1"] * 100
+    k = ours.samples.astype(int)
+    table["pass@k"] = [row.get(f"pass@{n}") * 100 if n > 1 else None
+                       for row, n in zip(ours.to_dict("records"), k, strict=True)]
     ref = paper[paper.metric.isin(PAPER_METRIC.values())]
     lookup = {(paper_model(r.model), r.method, r.metric): r.value for r in ref.itertuples()}
     table["paper"] = [lookup.get((paper_model(r.model), r.method, PAPER_METRIC.get(r.bench)))
                       for r in table.itertuples()]
     table["delta"] = table.reproduced - table.paper
-    return table.reset_index(drop=True)
+    return _sorted(table, ["model", "recipe", "method", "bench"])
 
 
-def rollout(values: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
-    """Rollout tokens/s, NVFP4 against BF16 in the same run, with the paper's ratio (qerl
-    over LoRA at the same LoRA rank, where it gives one)."""
-    ours = values[(values.kind == "rollout") & values.method.isin(ROLLOUT_METHOD)]
-    if ours.empty:
+def external(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Base-model numbers from lm-eval and lighteval, as the paper took them."""
+    ours = frames.get("external")
+    if ours is None:
         return pd.DataFrame()
-    wide = ours.pivot_table(index=["recipe", "model", "bench"], columns="method",
-                            values="value").reset_index().rename(columns={"recipe": "card"})
-    if not {"bf16", "nvfp4"} <= set(wide.columns):
-        return wide
-    wide["nvfp4/bf16"] = wide.nvfp4 / wide.bf16
-    ref = paper[paper.metric == "rollout_throughput"]
-    by = {(paper_model(r.model), r.method, r.lora_rank): r.value for r in ref.itertuples()}
-    # The paper's 7B numbers name no rank (its default, r32).
-    unranked = {(paper_model(r.model), r.method): r.value for r in ref.itertuples()
-                if pd.isna(r.lora_rank)}
-    ratios = []
-    for r in wide.itertuples():
-        rank = float(r.bench.split("-")[0].removeprefix("r"))
-        model = paper_model(r.model)
-        qerl = by.get((model, "qerl", rank), unranked.get((model, "qerl")))
-        lora = by.get((model, "lora", rank), unranked.get((model, "lora")))
-        ratios.append(qerl / lora if qerl and lora else None)
-    wide["paper qerl/lora"] = ratios
-    return wide.rename(columns={"bench": "rank-batch-prompt"})
+    return ours[_present(ours, ["model", "recipe", "method", "tool_version", "bench",
+                                "shots", "metric", "value", "problems", "limit"])
+                ].rename(columns={"method": "tool"})
 
 
-def training(values: pd.DataFrame, paper: pd.DataFrame | None = None) -> pd.DataFrame:
-    """One line per run: steps, last reward and entropy, mean step time, peak memory."""
-    ours = values[values.kind == "train"].copy()
-    if ours.empty:
+def training(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One line per run: its card and learning rate, steps, last reward and entropy, mean
+    step time, peak memory."""
+    ours = frames.get("train")
+    if ours is None:
         return pd.DataFrame()
-    ours["step"] = ours.bench.str.removeprefix("step").astype(int)
     rows = []
     for (model, recipe, method), run in ours.groupby(["model", "recipe", "method"]):
-        last = run[run.step == run.step.max()].set_index("metric").value
-        mean = run.groupby("metric").value.mean()
+        last = run.loc[run.step.idxmax()]
         rows.append({"model": model, "recipe": recipe, "method": method,
-                     "steps": run.step.max(), "reward (last)": last.get("reward"),
+                     "card": run.card.iloc[0],
+                     "learning rate": run.get("learning_rate_set", pd.Series([None])).iloc[0],
+                     "steps": int(run.step.max()), "reward (last)": last.get("reward"),
                      "entropy (last)": last.get("entropy"),
-                     "step time (s, mean)": mean.get("step_time"),
-                     "peak GB": run[run.metric == "memory/peak_gb"].value.max()})
-    return pd.DataFrame(rows)
+                     "step time (s, mean)": run.get("step_time", pd.Series(dtype=float)).mean(),
+                     "peak GB": run.get("memory/peak_gb", pd.Series(dtype=float)).max()})
+    return _sorted(pd.DataFrame(rows), ["model", "recipe", "method"])
 
 
-def kernels(values: pd.DataFrame, paper: pd.DataFrame | None = None) -> pd.DataFrame:
-    """NVFP4 matmul speed-up over cuBLAS BF16, by model, layer, op and M."""
-    ours = values[values.kind == "kernels"]
-    if ours.empty:
-        return pd.DataFrame()
-    return ours.rename(columns={"recipe": "card", "method": "op", "bench": "layer-M",
-                                "value": "speedup"})[["card", "model", "op", "layer-M",
-                                                      "speedup"]].reset_index(drop=True)
+def _spread(row: dict, name: str, values: pd.Series) -> None:
+    row[f"{name} mean"] = values.mean()
+    row[f"{name} std"] = values.std()
 
 
-def efficiency(values: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
-    """One RL step per model and method: time, peak memory, speed against LoRA in the same
-    run, and the paper's end-to-end speed against LoRA."""
-    ours = values[values.kind == "step"]
-    if ours.empty:
-        return pd.DataFrame()
-    wide = ours.pivot_table(index=["recipe", "model", "bench", "method"], columns="metric",
-                            values="value").reset_index().rename(
-        columns={"recipe": "card", "bench": "setting"})
-    wide = wide.rename(columns={"speed_vs_lora": "speed vs lora"})
-    if "speed vs lora" not in wide:
-        wide["speed vs lora"] = None
-    ref = paper[paper.metric == "end_to_end_speed"]
-    speed = {(paper_model(r.model), r.method): r.value for r in ref.itertuples()}
-    wide["paper speed vs lora"] = [speed.get((paper_model(r.model), r.method))
-                                   for r in wide.itertuples()]
-    return wide
-
-
-def science(values: pd.DataFrame, paper: pd.DataFrame | None = None) -> pd.DataFrame:
+def science(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per variant of the study, over its seeds (mean and standard deviation): reward over
     the first and the last quarter of the steps and their difference (the growth), mean
     entropy over the steps, and each held-out benchmark's avg@k (with how many seeds)."""
-    ours = values[values.kind == "science"]
-    if ours.empty:
+    steps, held_out = frames.get("science"), frames.get("held-out")
+    if steps is None:
         return pd.DataFrame()
     rows = []
-    for (model, variant), runs in ours.groupby(["model", "recipe"]):
-        steps = runs[runs.bench.str.startswith("step")].copy()
-        steps["step"] = steps.bench.str.removeprefix("step").astype(int)
-        last = steps.step.max()
-        reward = steps[steps.metric == "reward"]
+    for (model, variant), runs in steps.groupby(["model", "recipe"]):
+        last = runs.step.max()
+        by_seed = runs.groupby("method")
         per_seed = pd.DataFrame({
-            "reward (first quarter)": reward[reward.step <= 0.25 * last]
-            .groupby("method").value.mean(),
-            "reward (last quarter)": reward[reward.step > 0.75 * last]
-            .groupby("method").value.mean(),
-            "entropy (mean)": steps[steps.metric == "entropy"].groupby("method").value.mean(),
+            "reward (first quarter)": runs[runs.step <= 0.25 * last].groupby("method")
+            .reward.mean(),
+            "reward (last quarter)": runs[runs.step > 0.75 * last].groupby("method")
+            .reward.mean(),
+            "entropy (mean)": by_seed.entropy.mean(),
         })
         per_seed["reward growth"] = (per_seed["reward (last quarter)"]
                                      - per_seed["reward (first quarter)"])
-        row = {"model": model, "variant": variant, "seeds": len(per_seed), "steps": last}
-        for name in ("reward (first quarter)", "reward (last quarter)", "reward growth",
-                     "entropy (mean)"):
-            row[f"{name} mean"] = per_seed[name].mean()
-            row[f"{name} std"] = per_seed[name].std()
-        held_out = runs[runs.bench.str.startswith("held-out")
-                        & runs.metric.str.startswith("avg@")]
-        for (bench, metric), part in held_out.groupby(["bench", "metric"]):
-            name = f"{bench.removeprefix('held-out-')} {metric}"
-            row[f"{name} mean"] = part.value.mean()
-            row[f"{name} std"] = part.value.std()
-            row[f"{name} seeds"] = len(part)
+        row = {"model": model, "variant": variant,
+               "learning rate": runs.get("learning_rate_set", pd.Series([None])).iloc[0],
+               "card": ", ".join(sorted(set(runs.card.dropna()))), "seeds": len(per_seed),
+               "steps": int(last)}
+        for name in per_seed.columns:
+            _spread(row, name, per_seed[name])
+        if held_out is not None:
+            mine = held_out[(held_out.model == model) & (held_out.recipe == variant)]
+            for metric in [c for c in mine.columns if c.startswith("avg@")]:
+                for bench, part in mine[mine[metric].notna()].groupby("bench"):
+                    _spread(row, f"{bench} {metric}", part[metric])
+                    row[f"{bench} {metric} seeds"] = len(part)
         rows.append(row)
     return pd.DataFrame(rows)
 
 
-TABLES = {"accuracy": accuracy, "rollout": rollout, "training": training, "kernels": kernels,
-          "efficiency": efficiency, "science": science}
+def entropy(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Mean token entropy by weight format: on each variant's own samples and on BF16's
+    (with the paired difference), 95% bootstrap intervals."""
+    ours = frames.get("entropy")
+    if ours is None:
+        return pd.DataFrame()
+    return ours[_present(ours, ["model", "card", "method", "prompts", "tokens", "sigma",
+                                "own_entropy", "own_low", "own_high", "shared_entropy",
+                                "shared_minus_bf16", "diff_low", "diff_high"])
+                ].rename(columns={"method": "weights"})
+
+
+def rollout(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
+    """Rollout tokens/s by weights (engine; hf-bf16 is Hugging Face generate), NVFP4 over
+    BF16 from the same run, and the paper's qerl over LoRA at the same LoRA rank (its 7B
+    number names none)."""
+    ours = frames.get("rollout")
+    if ours is None:
+        return pd.DataFrame()
+    wide = _by_weights(ours, "rollout", "tok_per_s", "nvfp4/bf16")
+    ref = paper[paper.metric == "rollout_throughput"]
+    by_rank = {(paper_model(r.model), r.method, r.lora_rank): r.value for r in ref.itertuples()}
+    unranked = {(paper_model(r.model), r.method): r.value for r in ref.itertuples()
+                if pd.isna(r.lora_rank)}
+
+    def theirs(model: str, method: str, rank: float):
+        return by_rank.get((paper_model(model), method, rank),
+                           unranked.get((paper_model(model), method)))
+
+    ratios = []
+    for r in wide.itertuples():
+        qerl, lora = theirs(r.model, "qerl", r.lora_rank), theirs(r.model, "lora", r.lora_rank)
+        ratios.append(qerl / lora if qerl and lora else None)
+    wide["paper qerl/lora"] = ratios
+    return _sorted(wide, ["card", "model", "fused", "gen_len", "prompt_len", "lora_rank",
+                          "batch"])
+
+
+def _speedup_by_m(kind: str, index: list[str], method: str, doc: str):
+    """A table of ``kind``'s speed-ups over cuBLAS BF16: a row per card, model, ``index``
+    and method (named ``method``), a column per M."""
+
+    def table(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
+        ours = frames.get(kind)
+        if ours is None:
+            return pd.DataFrame()
+        wide = _wide(ours, ["card", "model", *index, "method"], "M", "speedup_vs_bf16")
+        columns = {"method": method, **{m: f"M={m}" for m in ours.M.unique()}}
+        return _sorted(wide.rename(columns=columns), ["card", "model"])
+
+    table.__doc__ = doc
+    return table
+
+
+kernels = _speedup_by_m("kernels", ["layer"], "op", "NVFP4 matmul speed-up over cuBLAS BF16 "
+                        "by card, model, layer and op (fwd, bwd), a column per M.")
+kernel_paths = _speedup_by_m("kernel_paths", ["layer", "op"], "path",
+                             "Each path of the NVFP4 matmul over cuBLAS BF16, a column per M: "
+                             "where the fastest path changes is a crossover.")
+
+
+def decode_step(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One rollout decode step (ms, a CUDA-graph replay) by weights, and NVFP4's speed over
+    BF16 in the same run."""
+    ours = frames.get("decode_step")
+    if ours is None:
+        return pd.DataFrame()
+    wide = _by_weights(ours, "decode_step", "step_ms", "bf16/nvfp4")
+    return _sorted(wide, ["card", "model", "fused", "batch"])
+
+
+def efficiency(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
+    """One RL step per model, method and settings: each phase's time, the step's time
+    against LoRA's from the same run (``collect.speed_vs_lora``), the paper's end-to-end
+    speed against LoRA, rollout tokens/s and peak memory (runs out of memory: the peak they
+    reached)."""
+    ours = frames.get("step")
+    if ours is None:
+        return pd.DataFrame()
+    ref = paper[paper.metric == "end_to_end_speed"]
+    speed = {(paper_model(r.model), r.method): r.value for r in ref.itertuples()}
+    table = ours.assign(**{"paper speed vs lora": [speed.get((paper_model(m), method))
+                                                   for m, method in zip(ours.model, ours.method,
+                                                                        strict=True)]})
+    columns = ["card", "date", "model", "method", *KINDS["step"].setting, "status",
+               *[f"{p}_s" for p in PHASES], "step_s", "speed_vs_lora", "paper speed vs lora",
+               "rollout_tok_per_s", "peak_gb"]
+    return _sorted(table[_present(table, columns)],
+                   ["card", "completion", "prompts", "grad_ckpt", "micro_batch", "model",
+                    "method"])
+
+
+TABLES = {
+    "accuracy": accuracy, "external": external, "training": training, "science": science,
+    "entropy": entropy, "rollout": rollout, "kernels": kernels, "kernel_paths": kernel_paths,
+    "decode_step": decode_step, "efficiency": efficiency,
+    **{kind: listing(kind) for kind in ("memory", "quantize", "fidelity", "footprint")},
+}

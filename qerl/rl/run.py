@@ -22,10 +22,9 @@ import torch
 import yaml
 from transformers import TrainerCallback, set_seed
 
-from qerl.bench.record import provenance, version
 from qerl.config import ConfigError, TrainConfig
-from qerl.noise import AQNSettings
-from qerl.policy import LoraSettings, build_policy
+from qerl.policy import build_policy
+from qerl.record import provenance, version
 from qerl.rl.data import load_task
 from qerl.tokenizer import policy_tokenizer
 
@@ -118,21 +117,13 @@ def build_trainer(config: TrainConfig, callbacks: list | None = None):
 
     set_seed(config.seed)
     aqn_on = config.aqn.enabled if config.aqn.enabled is not None else config.method == "qerl"
-    aqn = None
-    if aqn_on:
-        a = config.aqn
-        aqn = AQNSettings(sigma_start=a.sigma_start, sigma_end=a.sigma_end,
-                          num_stages=a.num_stages, rollout_only=a.rollout_only,
-                          seed=config.seed)
-    lora = LoraSettings(rank=config.lora.rank, alpha=config.lora.alpha,
-                        dropout=config.lora.dropout, train_norms=config.lora.train_norms)
     data = config.data
     task = load_task(data.task, path=data.path, split=data.split, limit=data.limit,
                      level=data.level, size=data.size, seed=config.seed)
     device = _device(config)
     policy = build_policy(config.method, config.model, arch=config.arch, seed=config.seed,
-                          lora=lora, aqn=aqn, total_steps=config.train.max_steps,
-                          device=_process_device(device))
+                          lora=config.lora, aqn=config.aqn if aqn_on else None,
+                          total_steps=config.train.max_steps, device=_process_device(device))
     config.output_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = policy_tokenizer(policy, config.output_dir / "tokenizer", config.tokenizer,
                                  cpu=device == "cpu")
@@ -157,12 +148,16 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 
 def check_same_run(config: TrainConfig) -> None:
-    """A run resumes only with the settings it started with (config.yaml beside it)."""
+    """A run resumes only with the settings it started with (config.yaml beside it). A
+    setting its config.yaml lacks (one added to qerl since) counts as unchanged while it
+    keeps its default."""
     saved = config.output_dir / "config.yaml"
     if last_checkpoint(config.output_dir) is None or not saved.is_file():
         return
     before = _flat(yaml.safe_load(saved.read_text()))
     now = _flat(config.model_dump(mode="json"))
+    defaults = _flat(TrainConfig.model_construct().model_dump(mode="json"))
+    before = {**{k: v for k, v in defaults.items() if k in now}, **before}
     changed = sorted(k for k in before.keys() | now.keys()
                      if before.get(k) != now.get(k) and k not in RESUMABLE)
     if changed:

@@ -35,6 +35,7 @@ from trl import GRPOConfig, GRPOTrainer
 from qerl.config import ConfigError, TrainConfig
 from qerl.nn.liger import use_liger
 from qerl.nn.padded_attention import use_padded_attention
+from qerl.rl.phases import PHASES
 from qerl.rl.rewards import REWARDS, checked
 from qerl.rollout import Engine, SamplingParams
 
@@ -111,9 +112,6 @@ class _PhaseTimes(TrainerCallback):
             metrics[f"time/{phase}_s"].append(seconds)
         if torch.cuda.is_available():
             metrics["memory/peak_gb"].append(torch.cuda.max_memory_allocated() / 1e9)
-
-
-PHASES = ("rollout", "score", "train")
 
 
 class QerlGRPOTrainer(GRPOTrainer):

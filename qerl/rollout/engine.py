@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from qerl.archs import MODEL_TYPES
 from qerl.errors import QerlError
 from qerl.rollout.decoder import Decoder, KVCache
 from qerl.rollout.sampling import SamplingParams, sample
 
-MODEL_TYPES = ("qwen2", "llama")
 # A step attends over the cache's slots up to its own, rounded up to a multiple of this: one
 # CUDA graph per batch size and bucket, instead of reading the whole cache at every step
 # (at 2048 new tokens, twice the keys and values that the live slots hold on average).
@@ -64,19 +64,20 @@ class Engine:
     """Serves up to ``max_batch`` sequences of up to ``max_seq_len`` tokens (prompt plus
     generation). ``kv_budget_bytes``, if given, caps the cache; ``Engine.max_batch_for``
     says how many sequences a budget holds. ``fused`` (default: on CUDA) runs the step's
-    norms, rotary and LoRA as our kernels (see ``Decoder``)."""
+    norms, rotary and LoRA as our kernels (see ``Decoder``). A step attends over the cache
+    up to its slot rounded up to ``slot_bucket`` (see SLOT_BUCKET)."""
 
     def __init__(self, model, max_batch: int, max_seq_len: int,
                  kv_budget_bytes: int | None = None, cuda_graphs: bool = True,
-                 fused: bool | None = None):
+                 fused: bool | None = None, slot_bucket: int = SLOT_BUCKET):
         self.model = _base_model(model)
         config = self.model.config
         if config.model_type not in MODEL_TYPES:
             raise RolloutError(f"the engine runs {', '.join(MODEL_TYPES)} models, not "
                                f"{config.model_type!r}")
-        if max_batch < 1 or max_seq_len < 2:
-            raise RolloutError(f"need max_batch >= 1 and max_seq_len >= 2, got {max_batch}, "
-                               f"{max_seq_len}")
+        if max_batch < 1 or max_seq_len < 2 or slot_bucket < 1:
+            raise RolloutError(f"need max_batch >= 1, max_seq_len >= 2 and slot_bucket >= 1, "
+                               f"got {max_batch}, {max_seq_len}, {slot_bucket}")
         self.dtype = self.model.get_input_embeddings().weight.dtype
         self.device = self.model.get_input_embeddings().weight.device
         need = max_batch * max_seq_len * KVCache.bytes_per_slot(config, self.dtype)
@@ -86,6 +87,7 @@ class Engine:
                                f"{need / 1e9:.2f} GB, over the budget of "
                                f"{kv_budget_bytes / 1e9:.2f} GB (it holds {fits} sequences)")
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.slot_bucket = slot_bucket
         self.decoder = Decoder(self.model, fused=self.device.type == "cuda" if fused is None
                                else fused)
         self.cache = KVCache.allocate(config, max_batch, max_seq_len, self.dtype, self.device)
@@ -138,7 +140,8 @@ class Engine:
 
     def _span(self, last_slot: int) -> int:
         """The slots a step that writes up to ``last_slot`` attends over."""
-        return min(self.max_seq_len, -(-(last_slot + 1) // SLOT_BUCKET) * SLOT_BUCKET)
+        bucket = self.slot_bucket
+        return min(self.max_seq_len, -(-(last_slot + 1) // bucket) * bucket)
 
     @contextmanager
     def _eval(self):

@@ -8,9 +8,11 @@ import json
 import pytest
 
 from qerl.cli import main as cli
+from qerl.config import LoraSettings
 from qerl.eval.metrics import pass_at_k, summarize
-from qerl.eval.run import EvalError, EvalSettings, evaluate
-from qerl.policy import LoraSettings, PolicyError, build_policy
+from qerl.eval.run import EvalError, evaluate
+from qerl.eval.settings import EvalSettings
+from qerl.policy import PolicyError, build_policy
 from qerl.rl.data import DataError
 from tests.conftest import save_tiny_model
 from tests.rl.test_rewards import DATA
@@ -148,3 +150,11 @@ def test_the_arithmetic_task_has_a_held_out_draw(chat_model, tmp_path):
     with pytest.raises(EvalError, match="generated"):
         evaluate(str(chat_model), ["arithmetic-1"], tmp_path / "x", FAST,
                  data={"arithmetic-1": "x.jsonl"})
+
+
+def test_bad_sampling_settings_on_the_command_line_are_named(tmp_path, capsys):
+    from qerl.cli import main
+
+    assert main(["eval", "--model", "m", "--samples", "0", "--out", str(tmp_path)]) == 2
+    assert "EvalSettings: samples: Input should be greater than or equal to 1" in (
+        capsys.readouterr().err)

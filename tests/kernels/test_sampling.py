@@ -57,16 +57,15 @@ def _uniforms_kernel(seed_ptr, out_ptr, N: tl.constexpr):
     tl.store(out_ptr + at, tl.rand(tl.load(seed_ptr), at))
 
 
-def test_a_draw_is_the_argmax_of_logits_plus_gumbel_noise(monkeypatch):
+def test_a_draw_is_the_argmax_of_logits_plus_gumbel_noise():
     """Exactly the exponential race over the whole row: the noise recomputed from the same
     key (the generator's next draw) and Philox counters (row * V + column); small blocks so
     that rows span three slices of two blocks, the last one partial."""
-    monkeypatch.setattr(sampling, "BLOCK", 8)
     seed = fresh_seed()
     rows, vocab, temperature = 3, 40, 0.8
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)).to(device())
     logits[1, 20:24] = float("-inf")
-    tokens, _ = sampling.sample(logits, temperature, generator(seed), slices=3)
+    tokens, _ = sampling.sample(logits, temperature, generator(seed), slices=3, block=8)
     key = torch.randint(0, 2**62, (1,), device=device(), generator=generator(seed))
     u = torch.empty(128, device=device())
     _uniforms_kernel[(1,)](key, u, N=128)

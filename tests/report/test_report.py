@@ -3,16 +3,20 @@ the paper's numbers beside ours, figures, and --check."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
 from qerl.cli import main
+from qerl.errors import QerlError
 from qerl.report.check import DriftError, drifts
+from qerl.report.collect import collect, speed_vs_lora
 from qerl.report.run import report
 
 CARD = "NVIDIA H100 80GB HBM3"
+RESULTS = Path(__file__).resolve().parents[2] / "results"
 
 
 def write(path: Path, rows: list[dict]) -> None:
@@ -55,6 +59,8 @@ def results(tmp_path):
             write(run / "metrics.csv", [{"step": k, "reward": gain * k + seed / 10,
                                          "entropy": 1.0 - 0.1 * k} for k in (1, 2, 3, 4)])
             write(run / "eval/summary.csv", [{"bench": "gsm8k", "avg@4": gain + seed / 10}])
+            (run / "provenance.json").write_text(json.dumps({"card": CARD}))
+            (run / "config.yaml").write_text(f"train:\n  learning_rate: {gain / 1000}\n")
     write(root / "science/smol/entropy/entropy_cpu.csv",
           [{"card": "cpu", "weights": w, "own_entropy": e, "shared_entropy": e - 0.1}
            for w, e in (("bf16", 1.5), ("nvfp4", 1.9))])
@@ -62,9 +68,11 @@ def results(tmp_path):
 
 
 def test_tables_put_the_papers_numbers_beside_ours(results):
+    (results / "bench/notes.txt").write_text("a file of no kind the report knows")
     written = report(results)
-    assert set(written["tables"]) == {"accuracy", "rollout", "training", "efficiency",
-                                      "science"}
+    assert written["unread"] == [str(results / "bench/notes.txt")]
+    assert set(written["tables"]) == {"accuracy", "external", "rollout", "training",
+                                      "efficiency", "science", "entropy"}
     study = pd.read_csv(results / "tables/science.csv").set_index("variant")
     assert study.loc["qerl", "seeds"] == 2 and study.loc["qerl", "steps"] == 4
     assert study.loc["qerl", "reward (last quarter) mean"] == pytest.approx(0.85)
@@ -73,10 +81,12 @@ def test_tables_put_the_papers_numbers_beside_ours(results):
     assert study.loc["lora", "reward growth mean"] == pytest.approx(0.3)
     assert study.loc["lora", "gsm8k avg@4 mean"] == pytest.approx(0.15)
     assert study.loc["lora", "gsm8k avg@4 seeds"] == 2
+    assert study.loc["qerl", "learning rate"] == pytest.approx(2e-4)
+    assert study.loc["qerl", "card"] == CARD
     assert "science_smol.png" in written["figures"]
     efficiency = pd.read_csv(results / "tables/efficiency.csv").set_index("method")
-    assert efficiency.loc["qerl", "speed vs lora"] == pytest.approx(1.25)
-    assert pd.isna(efficiency.loc["qlora", "speed vs lora"])  # a day apart: another run
+    assert efficiency.loc["qerl", "speed_vs_lora"] == pytest.approx(1.25)
+    assert pd.isna(efficiency.loc["qlora", "speed_vs_lora"])  # a day apart: another run
     assert efficiency.loc["qerl", "paper speed vs lora"] == 1.2
     accuracy = pd.read_csv(results / "tables/accuracy.csv")
     row = accuracy[(accuracy.recipe == "gsm8k") & (accuracy.bench == "gsm8k")].iloc[0]
@@ -84,15 +94,17 @@ def test_tables_put_the_papers_numbers_beside_ours(results):
     assert row.delta == pytest.approx(-0.8)
     base = accuracy[accuracy.recipe == "base"].iloc[0]
     assert base.reproduced == pytest.approx(80.0) and pd.isna(base.paper)
-    rollout = pd.read_csv(results / "tables/rollout.csv").set_index("rank-batch-prompt")
-    assert rollout.loc["r16-b32-p256", "nvfp4/bf16"] == pytest.approx(1.5)
-    assert rollout.loc["r16-b32-p256", "paper qerl/lora"] == pytest.approx(95.3 / 65.4)
-    assert rollout.loc["r32-b32-p256", "paper qerl/lora"] == pytest.approx(92.9 / 63.1)
+    rollout = pd.read_csv(results / "tables/rollout.csv").set_index("lora_rank")
+    assert rollout.loc[16, "nvfp4/bf16"] == pytest.approx(1.5)
+    assert rollout.loc[16, "paper qerl/lora"] == pytest.approx(95.3 / 65.4)
+    assert rollout.loc[32, "paper qerl/lora"] == pytest.approx(92.9 / 63.1)
     training = pd.read_csv(results / "tables/training.csv").set_index("method")
     assert training.loc["qerl", "reward (last)"] == pytest.approx(0.3)
     assert training.loc["lora", "steps"] == 2
     assert (results / "tables/accuracy.md").read_text().startswith("| model")
-    assert {"curves_tiny_smoke.png", "rollout_by_rank.png"} <= set(written["figures"])
+    card = CARD.replace(" ", "_")
+    assert {"curves_tiny_smoke.png", f"rollout_by_rank_{card}.png", f"step_{card}.png",
+            "entropy_smol_cpu.png"} <= set(written["figures"])
     assert all((results / "figures" / f).stat().st_size > 1000 for f in written["figures"])
 
 
@@ -103,9 +115,13 @@ def test_every_number_has_a_stable_key(results):
     assert values["external/qwen2.5-7b-instruct/base/lm-eval/gsm8k/exact_match,strict-match"] \
         == 0.85
     assert values["train/tiny/smoke/qerl/step2/aqn/sigma"] == 0.01
-    assert values[f"rollout/qwen2.5-14b/{CARD}/nvfp4/r32-b32-p256/tok_per_s"] == 1200.0
+    rollout = f"rollout/qwen2.5-14b/{CARD}/nvfp4/lora_rank=32,batch=32,prompt_len=256"
+    assert values[f"{rollout}/tok_per_s"] == 1200.0
     assert values["science/smol/qerl/seed1/step4/reward"] == pytest.approx(0.9)
-    assert values["entropy/smol/cpu/nvfp4/own/entropy"] == 1.9
+    assert values["held-out/smol/lora/seed1/gsm8k/avg@4"] == pytest.approx(0.2)
+    assert values["entropy/smol/cpu/nvfp4/own_entropy"] == 1.9
+    step = f"step/qwen2.5-7b/{CARD}/qerl/lora_rank=32,prompts=4,generations=8,completion=512"
+    assert values[f"{step},micro_batch=8,grad_ckpt=0/speed_vs_lora"] == pytest.approx(1.25)
 
 
 def test_check_names_each_drift_and_each_missing_value(results, tmp_path):
@@ -122,6 +138,12 @@ def test_check_names_each_drift_and_each_missing_value(results, tmp_path):
     assert "eval/tiny/smoke/qerl/gsm8k/pass@1: missing" in message
     assert "step2/reward" not in message
     assert main(["report", "--results", str(results), "--check", str(expected)]) == 2
+    # Every value as expected, but a file that no table reads: a result lost.
+    expected.write_text("key,value,tolerance\ntrain/tiny/smoke/qerl/step2/reward,0.3,0.001\n")
+    report(results, expected=expected)
+    (results / "train/tiny/smoke/qerl/notes.csv").write_text("a,b\n")
+    with pytest.raises(DriftError, match="no table reads: .*notes.csv"):
+        report(results, expected=expected)
 
 
 def test_a_value_that_is_not_a_number_is_a_drift():
@@ -139,5 +161,71 @@ def test_bad_expected_files_are_refused(results, tmp_path):
 
 def test_an_empty_results_folder_gives_no_tables(tmp_path):
     written = report(tmp_path)
-    assert written["tables"] == [] and written["figures"] == []
+    assert written["tables"] == [] and written["figures"] == [] and written["unread"] == []
     assert pd.read_csv(tmp_path / "tables/values.csv").empty
+
+
+def test_a_missing_results_folder_or_paper_file_is_named(tmp_path):
+    assert main(["report", "--results", str(tmp_path / "nowhere")]) == 2
+    with pytest.raises(QerlError, match="no results folder at .*nowhere"):
+        report(tmp_path / "nowhere")
+    with pytest.raises(QerlError, match="no paper numbers at .*paper.csv"):
+        report(tmp_path, paper=tmp_path / "paper.csv")
+
+
+def test_a_rerun_benchmark_replaces_its_rows_and_keeps_other_settings(tmp_path):
+    """Rows of the same measurement (a rerun appends) keep the newest; a row that differs
+    in any setting (here the generated length, or the fused engine) is its own."""
+    rows = [{"card": CARD, "model": "m", "weights": "nvfp4", "lora_rank": 32, "batch": 16,
+             "prompt_len": 256, "gen_len": g, "fused": f, "tok_per_s": t}
+            for g, f, t in [(512, 1, 100.0), (1024, 1, 90.0), (1024, 0, 50.0), (512, 1, 110.0)]]
+    write(tmp_path / "bench/rollout_x.csv", rows)
+    values = collect(tmp_path).values.set_index("key").value
+    label = "nvfp4/lora_rank=32,batch=16,prompt_len=256"
+    assert values[f"rollout/m/{CARD}/{label},gen_len=512,fused=1/tok_per_s"] == 110.0
+    assert values[f"rollout/m/{CARD}/{label},gen_len=1024,fused=1/tok_per_s"] == 90.0
+    assert values[f"rollout/m/{CARD}/{label},gen_len=1024,fused=0/tok_per_s"] == 50.0
+
+
+def test_a_step_is_compared_with_lora_only_at_the_same_settings_and_run():
+    """Rows of other settings (another L) are not compared with each other's LoRA, and a
+    LoRA step measured over an hour apart (another run, maybe another version) is not."""
+    same = {"card": CARD, "model": "m", "lora_rank": 32, "prompts": 2, "generations": 8,
+            "micro_batch": 8, "grad_ckpt": 1}
+    frame = pd.DataFrame([
+        {**same, "method": "lora", "completion": 512, "step_s": 10.0},
+        {**same, "method": "qerl", "completion": 512, "step_s": 5.0},
+        {**same, "method": "qerl", "completion": 2048, "step_s": 8.0}])
+    assert speed_vs_lora(frame).tolist()[:2] == [1.0, 2.0]
+    assert pd.isna(speed_vs_lora(frame).iloc[2])
+    frame["date"] = ["2026-01-01 10:00", "2026-01-01 11:30", "2026-01-01 10:40"]
+    assert pd.isna(speed_vs_lora(frame).iloc[1])
+    frame.loc[1, "date"] = "2026-01-01 10:50"
+    assert speed_vs_lora(frame).iloc[1] == 2.0
+
+
+def test_the_committed_results_draw(tmp_path):
+    """Every figure of the committed results (both cards' kernels, rollouts and steps, the
+    study, the entropy runs) is drawn."""
+    import shutil
+
+    shutil.copytree(RESULTS, tmp_path / "results",
+                    ignore=shutil.ignore_patterns("tables", "figures"))
+    figures = report(tmp_path / "results")["figures"]
+    for name in ("kernels_NVIDIA_H200.png", "rollout_by_rank_NVIDIA_H100_80GB_HBM3.png",
+                 "rollout_speedup_NVIDIA_H200.png", "step_NVIDIA_H100_80GB_HBM3.png",
+                 "science_smollm2-135m-instruct.png",
+                 "entropy_smollm2-135m-instruct_AMD_EPYC.png"):
+        assert name in figures
+    assert all((tmp_path / "results/figures" / f).stat().st_size > 1000 for f in figures)
+
+
+def test_a_results_file_that_cannot_be_read_is_named(tmp_path):
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench/rollout_x.csv").write_text("card,model,tok_per_s\nA,m,1.0\n")
+    with pytest.raises(QerlError, match=r"rollout_x.csv: rollout results need the column\(s\) "
+                                        r"\['weights'\]"):
+        collect(tmp_path)
+    (tmp_path / "bench/rollout_x.csv").write_text('card,"model\nA,m,1\n')
+    with pytest.raises(QerlError, match="rollout_x.csv: cannot be read as rollout results"):
+        collect(tmp_path)

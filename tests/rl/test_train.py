@@ -10,6 +10,7 @@ import shutil
 import pandas as pd
 import pytest
 import torch
+import yaml
 from transformers import TrainerCallback
 
 from qerl.cli import main as cli
@@ -104,6 +105,11 @@ def test_a_finished_run_is_not_trained_again(chat_model, tmp_path):
     assert all(torch.equal(first[k], again[k]) for k in first)
     with pytest.raises(ConfigError, match=r"other settings \(train.learning_rate: 0.001 -> 0.002"):
         run(settings(chat_model, tmp_path, learning_rate=2e-3))
+    # A run saved before a setting existed resumes while that setting keeps its default.
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    del saved["lora"]["target_modules"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert run(settings(chat_model, tmp_path)).state.global_step == 2
 
 
 def test_a_micro_batch_may_hold_part_of_a_group(chat_model, tmp_path):

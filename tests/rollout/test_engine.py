@@ -11,7 +11,6 @@ from transformers import AutoModelForCausalLM
 from qerl.noise import AQNSettings
 from qerl.policy import build_policy
 from qerl.rollout import Engine, RolloutError, SamplingParams
-from qerl.rollout import engine as engine_module
 from qerl.rollout.sampling import sample
 from tests.conftest import fresh_seed, require_smollm2, save_tiny_model, tiny_config
 from tests.test_policy import randomize_adapter
@@ -63,14 +62,14 @@ def forward_logprobs(model, prompt, tokens, temperature: float = 1.0) -> torch.T
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bucket", [256, 4])
-def test_greedy_is_token_identical_to_hf_generate(arch, dtype, bucket, monkeypatch):
+def test_greedy_is_token_identical_to_hf_generate(arch, dtype, bucket):
     """fp32: identical. bf16: identical up to near-ties (a random tiny model's logits are
     close together; HF's attention kernel and ours round differently in the last bit).
     With slot buckets of 4, steps attend over a growing prefix of the cache."""
-    monkeypatch.setattr(engine_module, "SLOT_BUCKET", bucket)
     seed = fresh_seed()
     model = tiny(arch, dtype, seed)
-    out = Engine(model, max_batch=4, max_seq_len=40).generate(PROMPTS, GREEDY)
+    out = Engine(model, max_batch=4, max_seq_len=40, slot_bucket=bucket).generate(PROMPTS,
+                                                                                   GREEDY)
     tie = 0.0 if dtype == torch.float32 else 0.05
     assert_same_greedy(out.tokens, hf_greedy(model, PROMPTS, 12), tie, f"seed {seed}")
     for prompt, tokens in zip(PROMPTS, out.tokens, strict=True):  # unpadded, one at a time

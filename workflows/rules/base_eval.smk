@@ -95,7 +95,8 @@ rule base_eval_summary:
         lm_eval=f"{WORK}/eval/{{model}}/base/lm-eval",
         lighteval=f"{WORK}/eval/{{model}}/base/lighteval",
     output: f"{RESULTS}/eval/{{model}}/base/external/summary.csv"
+    params: out=f"{WORK}/eval/{{model}}/base/external"
     log: f"{WORK}/logs/base_eval_summary/{{model}}.log"
     shell:
-        "qerl eval-import {input.lm_eval} {input.lighteval} --out $(dirname {output}) "
-        "> {log} 2>&1"
+        "qerl eval-import {input.lm_eval} {input.lighteval} --out {params.out} > {log} 2>&1 "
+        "&& cp {params.out}/summary.csv {output}"

@@ -1,17 +1,17 @@
 # qerl eval of every trained policy and of each base model (BF16 and NVFP4, no adapter).
 # The eval folder under WORK keeps every sample: a rerun resumes it. Summaries -> RESULTS.
+from qerl.eval.settings import BENCHES
+
 EVAL = config.get("eval", {})
 
 
 def eval_args():
-    args = [f"--bench {','.join(EVAL.get('benches', ['gsm8k', 'math500']))}",
-            f"--samples {EVAL.get('samples', 1)}", f"--max-tokens {EVAL.get('max_tokens', 4096)}",
-            f"--batch {EVAL.get('batch', 64)}", f"--device {DEVICE}"]
-    if EVAL.get("limit"):
-        args.append(f"--limit {EVAL['limit']}")
-    for bench in EVAL.get("benches", ["gsm8k", "math500"]):
-        if DATA.get(bench):
-            args.append(f"--data {bench}={DATA[bench]}")
+    """The options the configuration sets; qerl eval's own defaults for the rest."""
+    benches = EVAL.get("benches", BENCHES)
+    args = [f"--bench {','.join(benches)}", f"--device {DEVICE}"]
+    args += [f"--{option.replace('_', '-')} {EVAL[option]}"
+             for option in ("samples", "max_tokens", "batch", "limit") if option in EVAL]
+    args += [f"--data {bench}={DATA[bench]}" for bench in benches if DATA.get(bench)]
     return " ".join(args)
 
 
@@ -44,8 +44,7 @@ rule eval_trained:
     resources: gpu=USES_GPU, mem_mb=64000
     shell:
         "{params.on_gpu}qerl eval {params.policy} {params.tokenizer} {params.settings} --out {params.out} "
-        "> {log} 2>&1 && cp {params.out}/summary.csv {params.out}/summary.json "
-        "$(dirname {output})/"
+        "> {log} 2>&1 && cp {params.out}/summary.csv $(dirname {output})/"
 
 
 def base_weights_input(wildcards):
@@ -75,5 +74,4 @@ rule eval_base:
     resources: gpu=USES_GPU, mem_mb=64000
     shell:
         "{params.on_gpu}qerl eval {params.policy} {params.tokenizer} {params.settings} --out {params.out} "
-        "> {log} 2>&1 && cp {params.out}/summary.csv {params.out}/summary.json "
-        "$(dirname {output})/"
+        "> {log} 2>&1 && cp {params.out}/summary.csv $(dirname {output})/"

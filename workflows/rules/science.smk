@@ -87,7 +87,7 @@ rule science_held_out:
     resources: gpu=USES_GPU, mem_mb=32000
     shell:
         "{params.on_gpu}qerl eval {params.policy} {params.settings} --out {params.out} > {log} 2>&1 && "
-        "cp {params.out}/summary.csv {params.out}/summary.json $(dirname {output})/"
+        "cp {params.out}/summary.csv $(dirname {output})/"
 
 
 rule science_entropy:

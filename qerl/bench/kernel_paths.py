@@ -1,0 +1,93 @@
+"""Time every path of the NVFP4 matmul at each M, forward (the CUDA kernel where it builds
+and M fits, the fused Triton kernel, dequantize + cuBLAS) and input gradient (Triton,
+dequantize + cuBLAS), with cuBLAS BF16 in the same run: the measurements the crossovers
+``CUDA_MAX_M`` and ``FUSED_MAX_M`` in nvfp4_matmul.py are read from.
+
+    qerl bench kernel-paths              # -> results/bench/kernel_paths_<card>.csv
+    qerl bench kernel-paths --models qwen2.5-7b --layers gate_up --m 16,32,48,64
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from qerl.bench.kernels import copy_bandwidth, layer_shapes, rotating, time_us
+from qerl.formats import nvfp4
+from qerl.kernels import nvfp4_gemv as gemv
+from qerl.kernels import nvfp4_layout as layout
+from qerl.kernels import nvfp4_matmul as km
+from qerl.record import append_rows, provenance
+
+MODELS = ("qwen2.5-7b", "qwen2.5-32b")
+LAYERS = ("qkv", "gate_up", "down")
+M_VALUES = (1, 4, 16, 32, 64, 128)
+
+
+def paths(op: str, m: int) -> tuple[str, ...]:
+    """The paths that can run op (fwd | bwd) at M rows here."""
+    if op == "bwd":
+        return km.GRAD_INPUT_PATHS
+    cuda = m <= gemv.MAX_M and gemv.available(torch.device("cuda"))
+    return tuple(p for p in km.FORWARD_PATHS if p != "cuda" or cuda)
+
+
+def measure(n: int, k: int, m_values, bandwidth: float) -> list[dict]:
+    """Rows of one (N, K) weight: each op, M and path against cuBLAS BF16."""
+    q = nvfp4.quantize(torch.randn(n, k, device="cuda") * 0.02)
+    pairs = layout.to_pairs(q.packed)
+    weight = rotating(lambda: (pairs.clone(), q.scale.clone(), q.global_scale.clone()),
+                      n * k * 9 // 16)
+    dense = rotating(lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16), 2 * n * k)
+    rows = []
+    for op in ("fwd", "bwd"):
+        fn = km.nvfp4_linear if op == "fwd" else km.nvfp4_linear_grad_input
+        for m in m_values:
+            a = torch.randn(m, k if op == "fwd" else n, device="cuda", dtype=torch.bfloat16)
+            bf16 = time_us(lambda a=a: a @ dense().T) if op == "fwd" else time_us(
+                lambda a=a: a @ dense())
+            for path in paths(op, m):
+                us = time_us(lambda a=a, fn=fn, path=path: fn(a, *weight(), path=path))
+                rows.append({"op": op, "M": m, "N": n, "K": k, "path": path,
+                             "us": round(us, 2), "bf16_us": round(bf16, 2),
+                             "speedup_vs_bf16": round(bf16 / us, 3),
+                             "floor_us": round(1e6 * n * k * 9 / 16 / bandwidth, 2)})
+            print(f"{n}x{k} {op} M={m}: bf16 {bf16:.1f} us, "
+                  + ", ".join(f"{r['path']} {r['us']:.1f}" for r in rows
+                              if r["op"] == op and r["M"] == m), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="qerl bench kernel-paths", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", type=Path, default=Path("results/bench"))
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--layers", default=",".join(LAYERS), help="of qkv, o, gate_up, down")
+    parser.add_argument("--m", default=",".join(map(str, M_VALUES)), help="M values")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("qerl bench kernel-paths: needs a CUDA GPU (none found)")
+    bandwidth = copy_bandwidth()
+    base = provenance("cuda")
+    path = args.out_dir / f"kernel_paths_{base['card'].replace(' ', '_')}.csv"
+    m_values = [int(m) for m in args.m.split(",")]
+    layers = args.layers.split(",")
+    unknown = set(layers) - {"qkv", "o", "gate_up", "down"}
+    if unknown:
+        raise SystemExit(f"qerl bench kernel-paths: no layer {sorted(unknown)}; the layers "
+                         "are qkv, o, gate_up, down")
+    for arch in args.models.split(","):
+        shapes = layer_shapes(arch)
+        for layer in layers:
+            rows = measure(*shapes[layer], m_values, bandwidth)
+            append_rows(path, [{**base, "copy_gbps": round(bandwidth / 1e9, 1),
+                                "layer": f"{arch}.{layer}", **row} for row in rows])
+            torch.cuda.empty_cache()
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""Rows appended to a results CSV keep their columns: a benchmark that records a new column
+rewrites the file with the union, old rows' new cells empty, nothing lost or shifted."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from qerl.record import append_rows, provenance
+
+
+def test_rows_with_new_columns_widen_the_file_instead_of_shifting_it(tmp_path):
+    path = tmp_path / "bench" / "x.csv"
+    append_rows(path, [{"card": "A", "M": 1, "us": 2.0}])
+    append_rows(path, [{"card": "A", "M": 2, "us": 3.0}])
+    append_rows(path, [{"card": "B", "M": 4, "path": "cuda", "us": 5.0}])  # one more column
+    append_rows(path, [{"us": 6.0, "card": "C"}])  # fewer, in another order
+    rows = pd.read_csv(path)
+    assert list(rows.columns) == ["card", "M", "us", "path"]
+    assert rows.card.tolist() == ["A", "A", "B", "C"]
+    assert rows.us.tolist() == [2.0, 3.0, 5.0, 6.0]
+    assert rows.path.isna().tolist() == [True, True, False, True]
+    assert rows.M.isna().tolist() == [False, False, False, True]
+    assert not path.with_name("x.csv.tmp").exists()
+
+
+def test_provenance_names_the_card_and_versions():
+    row = provenance("cpu")
+    assert {"date", "card", "device", "torch", "transformers", "triton"} <= set(row)
+    assert row["card"] and row["device"] == "cpu"
