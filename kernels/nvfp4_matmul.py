@@ -184,16 +184,19 @@ def nvfp4_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr,
 ):
     """out[M, N] = x[M, K] @ deq(W[N, K])^T (+ bias). A program owns BLOCK_N rows of W and
-    walks its share of K, PAIRS 16-byte chunks (2 x PAIRS groups) per iteration."""
+    walks its share of K, PAIRS 16-byte chunks (2 x PAIRS groups) per iteration. It computes
+    out^T = deq(W) x^T, the decoded weight as the dot's left operand as it comes out of the
+    decode: a transpose of the decoded operand into the dot's right one was miscompiled
+    (Triton 3.6 on sm_90: wrong results; at 64 rows no compile)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     j = tl.arange(0, 16)
     w = tl.arange(0, 4)
     n_ok = offs_n < N
-    x_ok = rows[:, None] < M
+    x_ok = rows[None, :] < M
     groups = K // 16
     start, stop = _split_range(tl.cdiv(groups, 2 * PAIRS), SPLIT_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out^T
     for c in range(start, stop):
         for i in tl.static_range(PAIRS):
             p = c * PAIRS + i
@@ -208,27 +211,27 @@ def nvfp4_fwd_kernel(
                 w_ok = n_ok[:, None] & (p * 32 + 4 * w[None, :] < K)
                 s_lo_ok = n_ok & _all_below(offs_n, 2 * p, groups)
                 s_hi_ok = n_ok & _all_below(offs_n, 2 * p + 1, groups)
-                x_lo_ok = x_ok & (k_lo[None, :] < K)
-                x_hi_ok = x_ok & (k_lo[None, :] + 16 < K)
+                x_lo_ok = x_ok & (k_lo[:, None] < K)
+                x_hi_ok = x_ok & (k_lo[:, None] + 16 < K)
             words = tl.load(words_ptr + _chunk_words(offs_n[:, None], p, w[None, :], stride_pt),
                             mask=w_ok, other=0)
             s_lo = tl.load(scale_ptr + offs_n * stride_sn + 2 * p, mask=s_lo_ok, other=0.0)
             s_hi = tl.load(scale_ptr + offs_n * stride_sn + 2 * p + 1, mask=s_hi_ok, other=0.0)
-            x_row = x_ptr + rows[:, None] * stride_xm + k_lo[None, :]
-            x_lo = tl.load(x_row, mask=x_lo_ok, other=0.0)
-            x_hi = tl.load(x_row + 16, mask=x_hi_ok, other=0.0)
+            x_col = x_ptr + rows[None, :] * stride_xm + k_lo[:, None]  # x^T [16, BLOCK_M]
+            x_lo = tl.load(x_col, mask=x_lo_ok, other=0.0)
+            x_hi = tl.load(x_col + 16, mask=x_hi_ok, other=0.0)
             w_lo, w_hi = _scaled_groups(words, s_lo, s_hi, ASM, BF16, PRE)
             if not ASM:
                 x_lo = x_lo.to(tl.float32)
                 x_hi = x_hi.to(tl.float32)
-            acc = tl.dot(x_lo, tl.trans(w_lo), acc)
-            acc = tl.dot(x_hi, tl.trans(w_hi), acc)
+            acc = tl.dot(w_lo, x_lo, acc)
+            acc = tl.dot(w_hi, x_hi, acc)
     acc = acc * (POST / tl.load(global_scale_ptr))
     if HAS_BIAS:  # noqa: SIM102 (a constexpr test: Triton compiles the branch away)
         if tl.program_id(1) == 0:
-            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + tl.program_id(1) * stride_os + rows[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=x_ok & n_ok[None, :])
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + tl.program_id(1) * stride_os + rows[None, :] * stride_om + offs_n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=x_ok & n_ok[:, None])
 
 
 @triton.jit

@@ -62,13 +62,13 @@ def compile_config(op: str, cfg: km.LaunchConfig, dtype: str) -> dict:
             # fp8 scales are single bytes: 2 loads per 16-byte chunk of codes.
             "byte_loads": sum(1 for width in loads if width == ".U8"),
             "wide_async_loads": len(re.findall(r"LDGSTS\.E\.BYPASS\.128", sass)),
-            "mma": len(re.findall(r"\bHMMA\b", sass))}
+            "mma": len(re.findall(r"\bH[G]?MMA\b", sass))}
 
 
 def all_configs() -> set[tuple[str, km.LaunchConfig]]:
     configs = set()
     for op in ("fwd", "bwd"):
-        for m in (1, 17, 32):
+        for m in (1, 17, 32, 64):  # 64: a path named beyond the crossover
             # One split-K and one unsplit config per tile shape.
             for n, k in ((37888, 3584), (3584, 18944)):
                 configs.add((op, km.launch_config(op, m, n, k, num_sms=132)))
