@@ -392,10 +392,16 @@ def _kernel_flags(dtype: torch.dtype) -> dict:
     return {"ASM": asm, "BF16": dtype == torch.bfloat16, "PRE": pre, "POST": post}
 
 
+def cuda_runs(x2: torch.Tensor) -> bool:
+    """Whether the CUDA kernel can multiply the rows x2 [M, K] here: few enough rows, on a
+    GPU where it builds."""
+    return x2.shape[0] <= gemv.MAX_M and x2.is_cuda and gemv.available(x2.device)
+
+
 def forward_path(x2: torch.Tensor) -> str:
     """The forward path of the rows x2 [M, K] (see FORWARD_PATHS)."""
     m = x2.shape[0]
-    if m <= CUDA_MAX_M and x2.is_cuda and gemv.available(x2.device):
+    if m <= CUDA_MAX_M and cuda_runs(x2):
         return "cuda"
     return "triton" if m <= FUSED_MAX_M else "dequant"
 
@@ -410,8 +416,7 @@ def _checked_path(path: str | None, auto, a2: torch.Tensor, paths: tuple[str, ..
         return auto(a2)
     if path not in paths:
         raise QuantizationError(f"unknown path {path!r}; choose one of {', '.join(paths)}")
-    if path == "cuda" and not (a2.shape[0] <= gemv.MAX_M and a2.is_cuda
-                               and gemv.available(a2.device)):
+    if path == "cuda" and not cuda_runs(a2):
         raise QuantizationError(f"the CUDA kernel runs 1 to {gemv.MAX_M} rows on a GPU where "
                                 f"it builds; got {a2.shape[0]} rows on {a2.device}")
     return path

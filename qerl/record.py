@@ -10,12 +10,12 @@ import platform
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
-
 
 def card_name(device: str) -> str:
     """The GPU's name, or the CPU's model name."""
     if device.startswith("cuda"):
+        import torch
+
         return torch.cuda.get_device_name()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
@@ -35,6 +35,7 @@ def version(package: str) -> str:
 
 def provenance(device: str) -> dict:
     """The leading columns of every row."""
+    import torch
     import transformers
 
     return {
@@ -45,6 +46,12 @@ def provenance(device: str) -> dict:
         "transformers": transformers.__version__,
         "triton": version("triton"),
     }
+
+
+def per_card(name: str, card: str, suffix: str = ".csv") -> str:
+    """The name of a results file of one card: NAME_CARD.csv, the card's spaces as
+    underscores (as benchmarks write their CSVs and the report its figures)."""
+    return f"{name}_{card.replace(' ', '_')}{suffix}"
 
 
 def append_rows(path: Path, rows: list[dict]) -> None:

@@ -21,7 +21,7 @@ import torch
 from qerl.bench.rollout import WEIGHTS
 from qerl.config import LoraSettings
 from qerl.policy import build_policy
-from qerl.record import append_rows, provenance
+from qerl.record import append_rows, per_card, provenance
 from qerl.rollout import Engine, SamplingParams
 
 
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("qerl bench decode-step: needs a CUDA GPU (none found)")
     base = provenance("cuda")
-    path = args.out_dir / f"decode_step_{base['card'].replace(' ', '_')}.csv"
+    path = args.out_dir / per_card("decode_step", base["card"])
     batches = [int(b) for b in args.batches.split(",")]
     for arch in args.archs.split(","):
         for weights in args.weights.split(","):

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     import pandas as pd
 
     from qerl.noise import AQNSettings
-    from qerl.record import provenance
+    from qerl.record import per_card, provenance
     from qerl.report.run import summary
 
     parser = argparse.ArgumentParser(prog="qerl bench entropy", description=__doc__,
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     base = provenance(args.device)
     rows = [{**base, "model": args.model, **row} for row in measure(args)]
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"entropy_{base['card'].replace(' ', '_')}.csv"
+    path = out_dir / per_card("entropy", base["card"])
     pd.DataFrame(rows).to_csv(path, index=False)
     print(summary("entropy", path))
     print(path)

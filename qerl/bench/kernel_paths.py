@@ -16,22 +16,20 @@ import torch
 
 from qerl.bench.kernels import copy_bandwidth, layer_shapes, rotating, time_us
 from qerl.formats import nvfp4
-from qerl.kernels import nvfp4_gemv as gemv
 from qerl.kernels import nvfp4_layout as layout
 from qerl.kernels import nvfp4_matmul as km
-from qerl.record import append_rows, provenance
+from qerl.record import append_rows, per_card, provenance
 
 MODELS = ("qwen2.5-7b", "qwen2.5-32b")
 LAYERS = ("qkv", "gate_up", "down")
 M_VALUES = (1, 4, 16, 32, 64, 128)
 
 
-def paths(op: str, m: int) -> tuple[str, ...]:
-    """The paths that can run op (fwd | bwd) at M rows here."""
+def paths(op: str, a: torch.Tensor) -> tuple[str, ...]:
+    """The paths that can run op (fwd | bwd) on the rows ``a`` here."""
     if op == "bwd":
         return km.GRAD_INPUT_PATHS
-    cuda = m <= gemv.MAX_M and gemv.available(torch.device("cuda"))
-    return tuple(p for p in km.FORWARD_PATHS if p != "cuda" or cuda)
+    return tuple(p for p in km.FORWARD_PATHS if p != "cuda" or km.cuda_runs(a))
 
 
 def measure(n: int, k: int, m_values, bandwidth: float) -> list[dict]:
@@ -48,15 +46,14 @@ def measure(n: int, k: int, m_values, bandwidth: float) -> list[dict]:
             a = torch.randn(m, k if op == "fwd" else n, device="cuda", dtype=torch.bfloat16)
             bf16 = time_us(lambda a=a: a @ dense().T) if op == "fwd" else time_us(
                 lambda a=a: a @ dense())
-            for path in paths(op, m):
-                us = time_us(lambda a=a, fn=fn, path=path: fn(a, *weight(), path=path))
-                rows.append({"op": op, "M": m, "N": n, "K": k, "path": path,
-                             "us": round(us, 2), "bf16_us": round(bf16, 2),
-                             "speedup_vs_bf16": round(bf16 / us, 3),
-                             "floor_us": round(1e6 * n * k * 9 / 16 / bandwidth, 2)})
+            timed = {path: time_us(lambda a=a, fn=fn, path=path: fn(a, *weight(), path=path))
+                     for path in paths(op, a)}
+            rows += [{"op": op, "M": m, "N": n, "K": k, "path": path, "us": round(us, 2),
+                      "bf16_us": round(bf16, 2), "speedup_vs_bf16": round(bf16 / us, 3),
+                      "floor_us": round(1e6 * n * k * 9 / 16 / bandwidth, 2)}
+                     for path, us in timed.items()]
             print(f"{n}x{k} {op} M={m}: bf16 {bf16:.1f} us, "
-                  + ", ".join(f"{r['path']} {r['us']:.1f}" for r in rows
-                              if r["op"] == op and r["M"] == m), flush=True)
+                  + ", ".join(f"{path} {us:.1f}" for path, us in timed.items()), flush=True)
     return rows
 
 
@@ -72,15 +69,15 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("qerl bench kernel-paths: needs a CUDA GPU (none found)")
     bandwidth = copy_bandwidth()
     base = provenance("cuda")
-    path = args.out_dir / f"kernel_paths_{base['card'].replace(' ', '_')}.csv"
+    path = args.out_dir / per_card("kernel_paths", base["card"])
     m_values = [int(m) for m in args.m.split(",")]
     layers = args.layers.split(",")
-    unknown = set(layers) - {"qkv", "o", "gate_up", "down"}
-    if unknown:
-        raise SystemExit(f"qerl bench kernel-paths: no layer {sorted(unknown)}; the layers "
-                         "are qkv, o, gate_up, down")
     for arch in args.models.split(","):
         shapes = layer_shapes(arch)
+        unknown = set(layers) - set(shapes)
+        if unknown:
+            raise SystemExit(f"qerl bench kernel-paths: no layer {sorted(unknown)}; the layers "
+                             f"are {', '.join(shapes)}")
         for layer in layers:
             rows = measure(*shapes[layer], m_values, bandwidth)
             append_rows(path, [{**base, "copy_gbps": round(bandwidth / 1e9, 1),

@@ -27,7 +27,7 @@ from qerl import archs
 from qerl.formats import nvfp4
 from qerl.kernels import nvfp4_layout as layout
 from qerl.kernels import nvfp4_matmul as km
-from qerl.record import append_rows, provenance
+from qerl.record import append_rows, per_card, provenance
 from qerl.report.run import summary
 
 M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -133,7 +133,7 @@ class LayerBench:
 def run(out_dir: Path, models=MODELS, m_values=M_VALUES, layers=None) -> Path:
     bandwidth = copy_bandwidth()
     base = provenance("cuda")
-    path = out_dir / f"kernels_{base['card'].replace(' ', '_')}.csv"
+    path = out_dir / per_card("kernels", base["card"])
     for arch in models:
         rows = []
         for layer, (n, k) in layer_shapes(arch).items():

@@ -21,7 +21,7 @@ import torch
 from qerl.config import LoraSettings
 from qerl.methods import METHODS
 from qerl.policy import build_policy
-from qerl.record import append_rows, provenance
+from qerl.record import append_rows, per_card, provenance
 
 ARCHS = ("qwen2.5-3b", "qwen2.5-7b")
 GB = 1e9
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{arch} {method}: {row['weights_gb']:.2f} GB (projections "
                   f"{row['projections_gb']:.2f}, dense {row['dense_gb']:.2f}, lora "
                   f"{row['lora_gb']:.3f}; build peak {row['build_peak_gb']:.2f})", flush=True)
-    path = args.out_dir / f"memory_{base['card'].replace(' ', '_')}.csv"
+    path = args.out_dir / per_card("memory", base["card"])
     append_rows(path, rows)
     print(path)
 

@@ -27,7 +27,7 @@ import torch
 
 from qerl.config import LoraSettings
 from qerl.policy import build_policy
-from qerl.record import append_rows, provenance
+from qerl.record import append_rows, per_card, provenance
 from qerl.report.run import summary
 from qerl.rollout import Engine, SamplingParams
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     prompt_lens = [int(p) for p in args.prompt_lens.split(",")]
     weights = args.weights.split(",")
-    path = args.out_dir / f"rollout_{base['card'].replace(' ', '_')}.csv"
+    path = args.out_dir / per_card("rollout", base["card"])
     for arch in args.archs.split(","):
         for kind in weights:
             ranks = [0] if kind == "hf-bf16" else [int(r) for r in args.ranks.split(",")]

@@ -138,12 +138,11 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(measure(args, *args.child)))
         return
 
-    from qerl.record import append_rows, provenance
+    from qerl.record import append_rows, per_card, provenance
     from qerl.report.run import summary
 
     base = provenance(args.device)
-    card = base["card"].replace(" ", "_")
-    path = args.out_dir / f"efficiency_{card}.csv"
+    path = args.out_dir / per_card("efficiency", base["card"])
     settings = {"lora_rank": args.rank, "prompts": args.prompts,
                 "generations": args.generations, "completion": args.completion,
                 "micro_batch": args.micro_batch, "grad_ckpt": int(args.grad_ckpt)}

@@ -11,6 +11,7 @@ from qerl.settings import Settings
 
 BENCHES = ("gsm8k", "math500")  # what `qerl eval` evaluates unless told otherwise
 
+
 class EvalSettings(Settings):
     """How answers are sampled: k ``samples`` a problem at the paper's temperature 0.6 and
     top-p 0.95, up to ``max_tokens`` each, ``batch`` sequences an engine call."""

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from qerl.record import per_card
 from qerl.report.collect import STEP_SETTINGS
 from qerl.report.tables import ROLLOUT_METHOD, efficiency, paper_model
 from qerl.rl.phases import PHASES
@@ -32,10 +33,6 @@ def _save(plt, fig, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def _file(card: str) -> str:
-    return card.replace(" ", "_")
 
 
 def _by_step(frame: pd.DataFrame, draw, title: str, path: Path) -> Path:
@@ -116,7 +113,7 @@ def entropy(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
                 f": {group.prompts.max():.0f} prompts x {group.tokens.max():.0f} tokens")
         ax.set(ylabel="mean token entropy (nats)", title=f"{model}, {card}{size}")
         ax.legend(fontsize=7)
-        written.append(_save(plt, fig, out / f"entropy_{model}_{_file(card)}.png"))
+        written.append(_save(plt, fig, out / per_card(f"entropy_{model}", card, ".png")))
     return written
 
 
@@ -169,7 +166,7 @@ def rollout_by_rank(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
                    xlabel="LoRA rank", ylabel="tokens/s")
             ax.legend(fontsize=7)
         fig.suptitle(f"Rollout throughput by LoRA rank, {card}")
-        written.append(_save(plt, fig, out / f"rollout_by_rank_{_file(card)}.png"))
+        written.append(_save(plt, fig, out / per_card("rollout_by_rank", card, ".png")))
     return written
 
 
@@ -198,7 +195,7 @@ def rollout_speedup(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
         ax.set(xlabel="batch (sequences)", ylabel="NVFP4 tokens/s / BF16 tokens/s",
                title=f"Rollout speed-up of NVFP4 over BF16, {card}")
         ax.legend(fontsize=6)
-        written.append(_save(plt, fig, out / f"rollout_speedup_{_file(card)}.png"))
+        written.append(_save(plt, fig, out / per_card("rollout_speedup", card, ".png")))
     return written
 
 
@@ -230,7 +227,7 @@ def kernel_speedups(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
         axes[0][0].set_ylabel("speed-up vs cuBLAS BF16 (dotted: NVFP4 floor)")
         axes[0][0].legend(fontsize=7)
         fig.suptitle(f"NVFP4 matmul, {card}")
-        written.append(_save(plt, fig, out / f"kernels_{_file(card)}.png"))
+        written.append(_save(plt, fig, out / per_card("kernels", card, ".png")))
     return written
 
 
@@ -277,7 +274,7 @@ def step(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
         axes[0][0].legend(fontsize=7)
         axes[1][0].set_ylabel("peak GPU memory (GB)\nred: out of memory")
         fig.suptitle(f"One RL step, {card}")
-        written.append(_save(plt, fig, out / f"step_{_file(card)}.png"))
+        written.append(_save(plt, fig, out / per_card("step", card, ".png")))
     return written
 
 

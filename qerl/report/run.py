@@ -31,15 +31,15 @@ def report(results: Path, paper: Path | None = None, expected: Path | None = Non
         raise QerlError(f"no results folder at {results}")
     if paper is not None and not paper.is_file():
         raise QerlError(f"no paper numbers at {paper}")
-    read = collect(results)
+    found = collect(results)
     reference = read_paper(paper or PAPER)
     tables_dir, figures_dir = results / "tables", results / "figures"
     tables_dir.mkdir(parents=True, exist_ok=True)
     figures_dir.mkdir(parents=True, exist_ok=True)
-    read.values.to_csv(tables_dir / "values.csv", index=False)
+    found.values.to_csv(tables_dir / "values.csv", index=False)
     written = {"values": tables_dir / "values.csv", "tables": [], "figures": []}
     for name, build in TABLES.items():
-        table = build(read.frames, reference)
+        table = build(found.frames, reference)
         if table.empty:
             continue
         table.to_csv(tables_dir / f"{name}.csv", index=False)
@@ -47,10 +47,10 @@ def report(results: Path, paper: Path | None = None, expected: Path | None = Non
                                                + "\n")
         written["tables"].append(name)
     for draw in FIGURES:
-        written["figures"] += [p.name for p in draw(read.frames, reference, figures_dir)]
-    written["unread"] = [str(path) for path in unread(results, read.files)]
+        written["figures"] += [p.name for p in draw(found.frames, reference, figures_dir)]
+    written["unread"] = [str(path) for path in unread(results, found.files)]
     if expected is not None:
-        check(read.values, expected)
+        check(found.values, expected)
         if written["unread"]:  # a result that no table shows is a result lost
             raise DriftError(f"files under {results} that no table reads: {written['unread']}")
     return written

@@ -26,21 +26,13 @@ def test_every_committed_file_is_read(committed):
     assert not left, f"results that qerl report does not read: {left}"
 
 
-# How many of a kind's measurements its table shows: a row each, a cell each (tables with
-# a column per method or per M), or a row per run (per variant of the study).
-def _rows(table, frame, kind):
-    return len(table)
-
-
-def _cells(table, frame, kind):
-    spread = {"rollout": ("bf16", "nvfp4", "nf4", "hf-bf16"), "decode_step": ("bf16", "nvfp4")}
-    columns = spread.get(kind) or [c for c in table if str(c).startswith("M=")]
-    return int(table[[c for c in columns if c in table]].notna().sum().sum())
-
-
-SHOWN = {"rollout": _cells, "kernels": _cells, "kernel_paths": _cells, "decode_step": _cells}
-PER_RUN = {"train": ["model", "recipe", "method"], "science": ["model", "recipe"],
-           "held-out": None}
+# Kinds whose table spreads one number over columns (a column per weights, or per M): each
+# measurement of it is one cell.
+SPREAD = {"rollout": ("tok_per_s", ("bf16", "nvfp4", "nf4", "hf-bf16")),
+          "decode_step": ("step_ms", ("bf16", "nvfp4")),
+          "kernels": ("speedup_vs_bf16", "M="), "kernel_paths": ("speedup_vs_bf16", "M=")}
+# Kinds whose table has a row per run (per variant of the study).
+PER_RUN = {"train": ["model", "recipe", "method"], "science": ["model", "recipe"]}
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -50,15 +42,17 @@ def test_every_kind_is_committed_and_every_measurement_shows_in_its_table(commit
     table = TABLES[TABLE_OF.get(kind, kind)](committed.frames, read_paper())
     assert not table.empty
     if kind in PER_RUN:
-        if PER_RUN[kind] is not None:
-            assert len(table) == len(frame.drop_duplicates(PER_RUN[kind]))
-        else:  # each held-out benchmark's mean over seeds: a column per benchmark
-            for bench in frame.bench.unique():
-                assert any(c.startswith(f"{bench} avg@") for c in table), bench
-        return
-    measured = frame if kind not in SHOWN else frame[frame.get(
-        "tok_per_s", frame.get("step_ms", frame.get("speedup_vs_bf16"))).notna()]
-    assert SHOWN.get(kind, _rows)(table, frame, kind) == len(measured)
+        assert len(table) == len(frame.drop_duplicates(PER_RUN[kind]))
+    elif kind == "held-out":  # each benchmark's mean over seeds: a column per benchmark
+        for bench in frame.bench.unique():
+            assert any(c.startswith(f"{bench} avg@") for c in table), bench
+    elif kind in SPREAD:
+        value, columns = SPREAD[kind]
+        cells = [c for c in table if (c in columns if isinstance(columns, tuple)
+                                      else str(c).startswith(columns))]
+        assert int(table[cells].notna().sum().sum()) == int(frame[value].notna().sum())
+    else:
+        assert len(table) == len(frame)
 
 
 def test_the_committed_values_are_what_qerl_report_makes_of_the_results(committed):
