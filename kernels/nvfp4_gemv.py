@@ -8,9 +8,7 @@ The Triton kernel (nvfp4_matmul.py) moves W through shared memory into operand r
 and those instructions, not the bytes, bound it; this one loads each thread's tensor-core
 fragments straight into registers (kernels/DESIGN.md, "nvfp4_gemv").
 
-The build lands in ``$QERL_CACHE`` (default ``~/.cache/qerl``)/kernels, named by a hash of
-the source, the architecture and nvcc's version, written atomically; a failed build says
-why; ``python -m qerl.kernels.nvfp4_gemv 90 100`` builds ahead of use (no GPU needed).
+cuda_build compiles it (cached, ahead of use with ``python -m qerl.kernels.cuda_build``).
 ``available()`` is False (with ``unavailable_reason()``) where there is no nvcc or the
 GPU is older than Ampere; the Triton kernel then runs instead, with a warning.
 """
@@ -19,18 +17,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from qerl.errors import QuantizationError
+from qerl.kernels import cuda_build
 
 SOURCE = Path(__file__).with_name("nvfp4_gemv.cu")
 MAX_M = 32  # four 8-token tiles
@@ -39,75 +33,18 @@ SHARED_X_ABOVE = 8  # rows above which a block's warps share x and one K range (
 log = logging.getLogger(__name__)
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("QERL_CACHE", Path.home() / ".cache" / "qerl")) / "kernels"
-
-
-def _nvcc() -> str | None:
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home and (Path(home) / "bin" / "nvcc").exists():
-        return str(Path(home) / "bin" / "nvcc")
-    return shutil.which("nvcc")
-
-
-def build(arch: str, out_dir: Path | None = None) -> Path:
-    """Compile the kernels for ``arch`` (e.g. "90") into a shared library; return its
-    path (an existing build of the same source, arch and nvcc is reused)."""
-    nvcc = _nvcc()
-    if nvcc is None:
-        raise QuantizationError("nvcc not found (set CUDA_HOME or put it on PATH): the "
-                                "CUDA NVFP4 kernel is built on first use")
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True,
-                             check=False).stdout
-    digest = hashlib.sha256(SOURCE.read_bytes() + arch.encode() + version.encode())
-    out_dir = out_dir or _cache_dir()
-    lib = out_dir / f"nvfp4_gemv_sm{arch}_{digest.hexdigest()[:16]}.so"
-    if lib.exists():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        target = Path(tmp) / lib.name
-        cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
-               f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(target), str(SOURCE)]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise QuantizationError(f"building {SOURCE.name} failed ({' '.join(cmd)}):\n"
-                                    f"{done.stderr[-3000:]}")
-        os.replace(target, lib)  # atomic: a concurrent build leaves one whole file
-    return lib
-
-
 @functools.cache
 def _library(arch: str) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build(arch)))
-    f = lib.qerl_nvfp4_gemv
+    lib = cuda_build.library(SOURCE, arch)
     c = ctypes
     ptrs, longs = c.POINTER(c.c_void_p), c.POINTER(c.c_longlong)
-    f.argtypes = [c.c_int, c.c_void_p, c.c_longlong, c.c_int, ptrs, longs, ptrs, longs, ptrs,
-                  ptrs, c.POINTER(c.c_int), c.c_void_p, c.c_int, c.c_longlong, c.c_longlong,
-                  c.c_int, c.c_int, c.c_int, c.c_int, ptrs, c.c_int, c.c_void_p, c.c_longlong,
-                  c.c_longlong, c.c_int, c.c_void_p]
-    f.restype = c.c_int
-    lib.qerl_nvfp4_gemv_init.argtypes = [c.c_int]
-    lib.qerl_nvfp4_gemv_init.restype = c.c_int
-    lib.qerl_cuda_error_string.argtypes = [c.c_int]
-    lib.qerl_cuda_error_string.restype = c.c_char_p
+    lib.qerl_nvfp4_gemv.argtypes = [
+        c.c_int, c.c_void_p, c.c_longlong, c.c_int, ptrs, longs, ptrs, longs, ptrs, ptrs,
+        c.POINTER(c.c_int), c.c_void_p, c.c_int, c.c_longlong, c.c_longlong, c.c_int, c.c_int,
+        c.c_int, c.c_int, ptrs, c.c_int, c.c_void_p, c.c_longlong, c.c_longlong, c.c_int,
+        c.c_void_p]
+    lib.qerl_nvfp4_gemv.restype = c.c_int
     return lib
-
-
-@functools.cache
-def _loaded(arch: str, index: int) -> ctypes.CDLL:
-    lib = _library(arch)
-    error = lib.qerl_nvfp4_gemv_init(index)
-    if error:
-        raise QuantizationError(f"loading the CUDA NVFP4 kernel on cuda:{index} failed: "
-                                f"{lib.qerl_cuda_error_string(error).decode()}")
-    return lib
-
-
-def _arch(device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"{major}{minor}"
 
 
 @functools.cache
@@ -125,11 +62,7 @@ def unavailable_reason(device: torch.device) -> str | None:
     """Why the CUDA kernel cannot run on ``device`` (None: it can); builds it if needed."""
     if device.type != "cuda":
         return f"{device} is not a CUDA device"
-    return _unavailable(_arch(device))
-
-
-def _index(device: torch.device) -> int:
-    return torch.cuda.current_device() if device.index is None else device.index
+    return _unavailable(cuda_build.arch_of(device))
 
 
 def available(device: torch.device) -> bool:
@@ -248,7 +181,9 @@ def _launch(x2, weights, k, splits, k_warps, lora_a):
     if lora_a is not None:
         xa = torch.empty((splits, m, len(lora_a) * lora_a[0].shape[0]), dtype=torch.float32,
                          device=x2.device)
-    lib = _loaded(_arch(x2.device), _index(x2.device))
+    arch = cuda_build.arch_of(x2.device)
+    _library(arch)
+    lib = cuda_build.loaded(SOURCE, arch, cuda_build.index_of(x2.device))
     stream = torch.cuda.current_stream(x2.device).cuda_stream
     c, count = ctypes, len(weights)
 
@@ -266,22 +201,8 @@ def _launch(x2, weights, k, splits, k_warps, lora_a):
         out.stride(0), out.stride(1), m, k, splits, k_warps,
         None if lora_a is None else ptrs(lora_a), 0 if lora_a is None else lora_a[0].shape[0],
         None if xa is None else xa.data_ptr(), 0 if xa is None else xa.stride(0),
-        0 if xa is None else xa.stride(1), _index(x2.device), stream)
+        0 if xa is None else xa.stride(1), cuda_build.index_of(x2.device), stream)
     if error:
         raise QuantizationError(f"the CUDA NVFP4 kernel failed to launch: "
-                                f"{lib.qerl_cuda_error_string(error).decode()}")
+                                f"{cuda_build.error_text(SOURCE, arch, error)}")
     return out, xa
-
-
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m qerl.kernels.nvfp4_gemv",
-                                     description="Build the CUDA NVFP4 kernel ahead of use.")
-    parser.add_argument("archs", nargs="+", help="compute capabilities, e.g. 90 100")
-    for arch in parser.parse_args(argv).archs:
-        print(build(arch))
-
-
-if __name__ == "__main__":
-    main()

@@ -143,3 +143,15 @@ def check_layer(pairs: torch.Tensor, scale: torch.Tensor,
     nvfp4.check_scales(scale, global_scale, n, k)
     check_pairs_shape(pairs, n, k)
     return n, k
+
+
+def gemm_order(x: torch.Tensor, quads: int) -> torch.Tensor:
+    """x [M, K] -> [M, 128 * quads] (zeros past K) with each 128 columns in the order the
+    Hopper GEMM's k steps read them (nvfp4_gemm.cu): step 2w + h holds, for t = 0..3, pair
+    h of word w of chunk t's low group (k slots 2t, 2t + 1) and of its high group (slots 8 +
+    2t, 8 + 2t + 1). In index terms column 32t + 16hi + 4w + 2h + e moves to 16(2w + h) + 8hi
+    + 2t + e. wgmma reads B from shared memory in its own k order while the decoded weight's
+    register fragment holds four consecutive k of one chunk a thread, so x follows W."""
+    m, k = x.shape
+    x = torch.nn.functional.pad(x, (0, quads * TILE_WEIGHTS - k))
+    return x.view(m, quads, 4, 2, 4, 2, 2).permute(0, 1, 4, 5, 3, 2, 6).reshape(m, -1)

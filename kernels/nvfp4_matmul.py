@@ -43,6 +43,7 @@ import triton.language as tl
 
 from qerl.errors import QuantizationError
 from qerl.formats import nvfp4
+from qerl.kernels import nvfp4_gemm as gemm
 from qerl.kernels import nvfp4_gemv as gemv
 from qerl.kernels import nvfp4_layout as layout
 
@@ -310,11 +311,15 @@ def nvfp4_dequant_kernel(words_ptr, scale_ptr, global_scale_ptr, out_ptr, N, K,
 
 # Which kernel multiplies M rows by the weight (the crossovers come from `qerl bench
 # kernel-paths`): the CUDA kernel (nvfp4_gemv.cu, where it builds) up to CUDA_MAX_M rows, the
-# fused Triton kernels up to FUSED_MAX_M, beyond that W decoded once and cuBLAS's GEMM. A
-# caller (a benchmark timing one path against another) may name the path instead.
+# fused Triton kernels up to FUSED_MAX_M; the Hopper GEMM (nvfp4_gemm.cu, sm_90) up to
+# GEMM_MAX_M rows for weights of at least GEMM_MIN_WEIGHTS (smaller ones, such as q/k/v and
+# o, are faster in cuBLAS BF16 at every M it runs); beyond, W decoded once and cuBLAS's
+# GEMM. A caller (a benchmark timing one path against another) may name the path instead.
 CUDA_MAX_M = 32
 FUSED_MAX_M = 32
-FORWARD_PATHS = ("cuda", "triton", "dequant")
+GEMM_MAX_M = 128
+GEMM_MIN_WEIGHTS = 32 * 2 ** 20
+FORWARD_PATHS = ("cuda", "gemm", "triton", "dequant")
 GRAD_INPUT_PATHS = ("triton", "dequant")
 
 
@@ -398,12 +403,24 @@ def cuda_runs(x2: torch.Tensor) -> bool:
     return x2.shape[0] <= gemv.MAX_M and x2.is_cuda and gemv.available(x2.device)
 
 
-def forward_path(x2: torch.Tensor) -> str:
-    """The forward path of the rows x2 [M, K] (see FORWARD_PATHS)."""
+def gemm_runs(x2: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether the Hopper GEMM can multiply the rows x2 by the weight of these scales here."""
+    k = scale.shape[1] * nvfp4.GROUP_SIZE
+    return x2.is_cuda and gemm.available(x2.device) and gemm.supports(k, scale)
+
+
+def forward_path(x2: torch.Tensor, scale: torch.Tensor) -> str:
+    """The forward path of the rows x2 [M, K] by the weight of these scales (see
+    FORWARD_PATHS)."""
     m = x2.shape[0]
     if m <= CUDA_MAX_M and cuda_runs(x2):
         return "cuda"
-    return "triton" if m <= FUSED_MAX_M else "dequant"
+    if m <= FUSED_MAX_M:
+        return "triton"
+    weights = scale.shape[0] * scale.shape[1] * nvfp4.GROUP_SIZE
+    if m <= GEMM_MAX_M and weights >= GEMM_MIN_WEIGHTS and gemm_runs(x2, scale):
+        return "gemm"
+    return "dequant"
 
 
 def grad_input_path(dy2: torch.Tensor) -> str:
@@ -411,14 +428,20 @@ def grad_input_path(dy2: torch.Tensor) -> str:
     return "triton" if dy2.shape[0] <= FUSED_MAX_M else "dequant"
 
 
-def _checked_path(path: str | None, auto, a2: torch.Tensor, paths: tuple[str, ...]) -> str:
+def _checked_path(path: str | None, auto, a2: torch.Tensor, scale: torch.Tensor,
+                  paths: tuple[str, ...]) -> str:
     if path is None:
-        return auto(a2)
+        return auto()
     if path not in paths:
         raise QuantizationError(f"unknown path {path!r}; choose one of {', '.join(paths)}")
     if path == "cuda" and not cuda_runs(a2):
         raise QuantizationError(f"the CUDA kernel runs 1 to {gemv.MAX_M} rows on a GPU where "
                                 f"it builds; got {a2.shape[0]} rows on {a2.device}")
+    if path == "gemm" and not gemm_runs(a2, scale):
+        reason = (gemm.unavailable_reason(a2.device)
+                  or f"K = {scale.shape[1] * nvfp4.GROUP_SIZE} is not a multiple of "
+                     f"{layout.TILE_WEIGHTS}, or the scales are not 8-byte aligned")
+        raise QuantizationError(f"the Hopper NVFP4 GEMM cannot run here: {reason}")
     return path
 
 
@@ -477,14 +500,19 @@ def nvfp4_linear(x: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
     x2 = x.reshape(-1, k).contiguous()
     if x2.shape[0] == 0:
         return x.new_empty((*x.shape[:-1], n))
-    path = _checked_path(path, forward_path, x2, FORWARD_PATHS)
+    path = _checked_path(path, lambda: forward_path(x2, scale), x2, scale,
+                         FORWARD_PATHS)
     if path == "dequant":  # compute-bound: decode W once, then the BF16 GEMM
         w = dequantize(pairs, scale, global_scale, x.dtype)
         y = torch.nn.functional.linear(x2, w, bias)
         # Not even a same-shape view for 2-D x: a LoRA layer adds its adapter to it in place.
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
-    partials = (gemv.partials(x2, pairs, scale, global_scale, bias, n, k) if path == "cuda"
-                else _fused("fwd", x2, n, k, pairs, scale, global_scale, bias))
+    if path == "cuda":
+        partials = gemv.partials(x2, pairs, scale, global_scale, bias, n, k)
+    elif path == "gemm":
+        partials = gemm.partials(x2, pairs, scale, global_scale, bias, n, k)
+    else:
+        partials = _fused("fwd", x2, n, k, pairs, scale, global_scale, bias)
     return _reduced(partials, x.dtype).reshape(*x.shape[:-1], n)
 
 
@@ -506,7 +534,7 @@ def nvfp4_linear_grouped_partials(x2: torch.Tensor, weights: list[tuple]) -> lis
     k = x2.shape[1]
     if _one_launch(x2, weights):
         return _columns(gemv.grouped_partials(x2, _members(weights, shapes), k), shapes)
-    if forward_path(x2) == "cuda":
+    if forward_path(x2, weights[0][1]) == "cuda":
         return [gemv.partials(x2, *w, n, k) for w, (n, _) in zip(weights, shapes, strict=True)]
     return [_fused("fwd", x2, n, k, *w) for w, (n, _) in zip(weights, shapes, strict=True)]
 
@@ -534,7 +562,7 @@ def _check_group(x2: torch.Tensor, weights: list[tuple]) -> list[tuple[int, int]
 
 
 def _one_launch(x2: torch.Tensor, weights: list[tuple]) -> bool:
-    return len(weights) <= gemv.MAX_MEMBERS and forward_path(x2) == "cuda"
+    return len(weights) <= gemv.MAX_MEMBERS and forward_path(x2, weights[0][1]) == "cuda"
 
 
 def _members(weights: list[tuple], shapes: list[tuple[int, int]]) -> list[gemv.Weight]:
@@ -556,7 +584,8 @@ def nvfp4_linear_grad_input(dy: torch.Tensor, pairs: torch.Tensor, scale: torch.
     dy2 = dy.reshape(-1, n).contiguous()
     if dy2.shape[0] == 0:
         return dy.new_empty((*dy.shape[:-1], k))
-    if _checked_path(path, grad_input_path, dy2, GRAD_INPUT_PATHS) == "dequant":
+    if _checked_path(path, lambda: grad_input_path(dy2), dy2, scale,
+                     GRAD_INPUT_PATHS) == "dequant":
         w = dequantize(pairs, scale, global_scale, dy.dtype)
         return (dy2 @ w).reshape(*dy.shape[:-1], k)
     return _reduced(_fused("bwd", dy2, n, k, pairs, scale, global_scale),

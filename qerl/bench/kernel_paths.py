@@ -1,7 +1,8 @@
 """Time every path of the NVFP4 matmul at each M, forward (the CUDA kernel where it builds
-and M fits, the fused Triton kernel, dequantize + cuBLAS) and input gradient (Triton,
-dequantize + cuBLAS), with cuBLAS BF16 in the same run: the measurements the crossovers
-``CUDA_MAX_M`` and ``FUSED_MAX_M`` in nvfp4_matmul.py are read from.
+and M fits, the Hopper GEMM where it runs, the fused Triton kernel, dequantize + cuBLAS)
+and input gradient (Triton, dequantize + cuBLAS), with cuBLAS BF16 in the same run: the
+measurements the crossovers ``CUDA_MAX_M``, ``FUSED_MAX_M``, ``GEMM_MAX_M`` and
+``GEMM_MIN_WEIGHTS`` in nvfp4_matmul.py are read from.
 
     qerl bench kernel-paths              # -> results/bench/kernel_paths_<card>.csv
     qerl bench kernel-paths --models qwen2.5-7b --layers gate_up --m 16,32,48,64
@@ -22,14 +23,15 @@ from qerl.record import append_rows, per_card, provenance
 
 MODELS = ("qwen2.5-7b", "qwen2.5-32b")
 LAYERS = ("qkv", "gate_up", "down")
-M_VALUES = (1, 4, 16, 32, 64, 128)
+M_VALUES = (1, 16, 32, 48, 64, 96, 128, 192, 256, 512)
 
 
-def paths(op: str, a: torch.Tensor) -> tuple[str, ...]:
+def paths(op: str, a: torch.Tensor, scale: torch.Tensor) -> tuple[str, ...]:
     """The paths that can run op (fwd | bwd) on the rows ``a`` here."""
     if op == "bwd":
         return km.GRAD_INPUT_PATHS
-    return tuple(p for p in km.FORWARD_PATHS if p != "cuda" or km.cuda_runs(a))
+    runs = {"cuda": km.cuda_runs(a), "gemm": km.gemm_runs(a, scale)}
+    return tuple(p for p in km.FORWARD_PATHS if runs.get(p, True))
 
 
 def measure(n: int, k: int, m_values, bandwidth: float) -> list[dict]:
@@ -47,7 +49,7 @@ def measure(n: int, k: int, m_values, bandwidth: float) -> list[dict]:
             bf16 = time_us(lambda a=a: a @ dense().T) if op == "fwd" else time_us(
                 lambda a=a: a @ dense())
             timed = {path: time_us(lambda a=a, fn=fn, path=path: fn(a, *weight(), path=path))
-                     for path in paths(op, a)}
+                     for path in paths(op, a, q.scale)}
             rows += [{"op": op, "M": m, "N": n, "K": k, "path": path, "us": round(us, 2),
                       "bf16_us": round(bf16, 2), "speedup_vs_bf16": round(bf16 / us, 3),
                       "floor_us": round(1e6 * n * k * 9 / 16 / bandwidth, 2)}

@@ -30,7 +30,7 @@ from qerl.kernels import nvfp4_matmul as km
 from qerl.record import append_rows, per_card, provenance
 from qerl.report.run import summary
 
-M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+M_VALUES = (1, 8, 16, 32, 48, 64, 96, 128, 192, 256, 512, 2048, 8192)
 MODELS = ("qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b")
 ROTATE_BYTES = 512 << 20
 
@@ -121,7 +121,7 @@ class LayerBench:
         ref = a.double() @ (self.w64.T if fwd else self.w64)
         err = ((ours().double() - ref).norm() / ref.norm()).item()
         nbytes = self.n * self.k * 9 // 16 + 2 * m * (width + out_width)
-        path = km.forward_path(a) if fwd else km.grad_input_path(a)
+        path = km.forward_path(a, self.q.scale) if fwd else km.grad_input_path(a)
         triton_us = None
         if fwd and m <= km.FUSED_MAX_M:  # the fused Triton forward, the CUDA kernel's baseline
             triton_us = time_us(lambda: km.nvfp4_linear(a, *packed(), path="triton"))

@@ -1,10 +1,8 @@
-"""The CUDA small-M NVFP4 kernel (kernels/nvfp4_gemv.cu): its build on the CPU (nvcc, no
-GPU needed), and on a GPU its results against float64 on odd shapes, for every launch
-shape, deterministic and inside CUDA graphs."""
+"""The CUDA small-M NVFP4 kernel (kernels/nvfp4_gemv.cu): on a GPU its results against
+float64 on odd shapes, for every launch shape, deterministic and inside CUDA graphs (its
+build: test_cuda_build.py)."""
 
 from __future__ import annotations
-
-import shutil
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ from qerl.errors import QuantizationError
 from qerl.formats import nvfp4
 from qerl.kernels import nvfp4_gemv as gemv
 from qerl.kernels import nvfp4_layout as layout
-from tests.conftest import fresh_seed, missing
+from tests.conftest import fresh_seed
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -21,22 +19,6 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 def weight(n: int, k: int, gen: torch.Generator):
     q = nvfp4.quantize(torch.randn(n, k, generator=gen) * 0.05).to("cuda")
     return q, (layout.to_pairs(q.packed), q.scale, q.global_scale)
-
-
-@pytest.mark.slow
-def test_builds_once_per_source_and_arch(tmp_path):
-    if gemv._nvcc() is None:
-        missing("nvcc", "not on PATH (the CUDA 12 image and CI have it)")
-    lib = gemv.build("90", tmp_path)
-    assert lib.exists() and lib.suffix == ".so"
-    stamp = lib.stat().st_mtime_ns
-    assert gemv.build("90", tmp_path) == lib and lib.stat().st_mtime_ns == stamp
-
-
-def test_build_without_nvcc_names_the_cause(monkeypatch, tmp_path):
-    monkeypatch.setattr(gemv, "_nvcc", lambda: None)
-    with pytest.raises(QuantizationError, match="nvcc not found"):
-        gemv.build("90", tmp_path)
 
 
 def test_unavailable_off_cuda():
@@ -196,14 +178,3 @@ def test_refuses_what_it_cannot_run():
     with pytest.raises(QuantizationError, match="k_warps must be 1"):
         gemv.partials(torch.zeros(9, 128, dtype=torch.bfloat16, device="cuda"), *w4, None,
                       64, 128, splits=1, k_warps=2)
-
-
-def test_nvcc_is_found_on_cuda_home(monkeypatch, tmp_path):
-    (tmp_path / "bin").mkdir()
-    fake = tmp_path / "bin" / "nvcc"
-    fake.write_text("#!/bin/sh\n")
-    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
-    assert gemv._nvcc() == str(fake)
-    monkeypatch.delenv("CUDA_HOME")
-    monkeypatch.delenv("CUDA_PATH", raising=False)
-    assert gemv._nvcc() == shutil.which("nvcc")

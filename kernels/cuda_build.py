@@ -1,0 +1,124 @@
+"""Build the CUDA C++ kernels (nvfp4_gemv.cu, nvfp4_gemm.cu) with nvcc on first use.
+
+A build lands in ``$QERL_CACHE`` (default ``~/.cache/qerl``)/kernels, named by a hash of the
+source, the headers beside it, the architecture and nvcc's version, written atomically (a
+concurrent build leaves one whole file); a failed build says why. ``python -m
+qerl.kernels.cuda_build 90 100`` builds every kernel ahead of use (no GPU needed), as the
+image does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from qerl.errors import QuantizationError
+
+HERE = Path(__file__).parent
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("QERL_CACHE", Path.home() / ".cache" / "qerl")) / "kernels"
+
+
+def nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and (Path(home) / "bin" / "nvcc").exists():
+        return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def build(source: Path, arch: str, out_dir: Path | None = None) -> Path:
+    """Compile ``source`` for ``arch`` (e.g. "90", or "90a" for Hopper-only instructions)
+    into a shared library; return its path (an existing build is reused)."""
+    compiler = nvcc()
+    if compiler is None:
+        raise QuantizationError("nvcc not found (set CUDA_HOME or put it on PATH): the "
+                                "CUDA NVFP4 kernels are built on first use")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             check=False).stdout
+    digest = hashlib.sha256(source.read_bytes() + arch.encode() + version.encode())
+    for header in sorted(source.parent.glob("*.cuh")):
+        digest.update(header.read_bytes())
+    out_dir = out_dir or cache_dir()
+    lib = out_dir / f"{source.stem}_sm{arch}_{digest.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        target = Path(tmp) / lib.name
+        cmd = [compiler, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
+               f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(target), str(source)]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise QuantizationError(f"building {source.name} failed ({' '.join(cmd)}):\n"
+                                    f"{done.stderr[-3000:]}")
+        os.replace(target, lib)
+    return lib
+
+
+def arch_of(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{major}{minor}"
+
+
+def index_of(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+@functools.cache
+def library(source: Path, arch: str) -> ctypes.CDLL:
+    """The built library of ``source`` for ``arch``, opened. Each library exports
+    ``<stem>_init(device)`` (loads its kernels on a device, before any graph capture: a
+    first launch inside a capture must not be the one that loads the module) and
+    ``<stem>_error_string(error)``, both returning cudaError_t codes."""
+    lib = ctypes.CDLL(str(build(source, arch)))
+    init, error = getattr(lib, f"qerl_{source.stem}_init"), _error_string(lib, source)
+    init.argtypes, init.restype = [ctypes.c_int], ctypes.c_int
+    error.argtypes, error.restype = [ctypes.c_int], ctypes.c_char_p
+    return lib
+
+
+def _error_string(lib: ctypes.CDLL, source: Path):
+    return getattr(lib, f"qerl_{source.stem}_error_string")
+
+
+def error_text(source: Path, arch: str, error: int) -> str:
+    return _error_string(library(source, arch), source)(error).decode()
+
+
+@functools.cache
+def loaded(source: Path, arch: str, index: int) -> ctypes.CDLL:
+    """``library`` with its kernels loaded on cuda:``index``."""
+    lib = library(source, arch)
+    error = getattr(lib, f"qerl_{source.stem}_init")(index)
+    if error:
+        raise QuantizationError(f"loading {source.name} on cuda:{index} failed: "
+                                f"{error_text(source, arch, error)}")
+    return lib
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    from qerl.kernels import nvfp4_gemm, nvfp4_gemv
+
+    parser = argparse.ArgumentParser(prog="python -m qerl.kernels.cuda_build",
+                                     description="Build the CUDA NVFP4 kernels ahead of use.")
+    parser.add_argument("archs", nargs="+", help="compute capabilities, e.g. 90 100")
+    for arch in parser.parse_args(argv).archs:
+        print(build(nvfp4_gemv.SOURCE, arch))
+        if arch in nvfp4_gemm.ARCHS:
+            print(build(nvfp4_gemm.SOURCE, nvfp4_gemm.ARCHS[arch]))
+
+
+if __name__ == "__main__":
+    main()

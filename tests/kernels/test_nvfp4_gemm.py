@@ -1,0 +1,119 @@
+"""The Hopper NVFP4 GEMM (kernels/nvfp4_gemm.cu): x's column order against its definition
+and the Triton copy that makes it (interpreter), the launch shapes, and on an sm_90 GPU
+every instance against float64 on odd shapes, deterministic, through nvfp4_linear."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from qerl.errors import QuantizationError
+from qerl.formats import nvfp4
+from qerl.kernels import nvfp4_gemm as gemm
+from qerl.kernels import nvfp4_layout as layout
+from qerl.kernels import nvfp4_matmul as km
+from tests.conftest import fresh_seed
+
+HOPPER = pytest.mark.skipif(
+    not (torch.cuda.is_available() and gemm.available(torch.device("cuda"))),
+    reason="needs an sm_90 GPU with nvcc")
+
+
+def test_gemm_order_is_the_k_order_of_the_weight_fragments():
+    """Column 32t + 16hi + 4w + 2h + e of a quad (chunk t, its low or high group, word w,
+    pair h, element e) lands at 16 (2w + h) + 8hi + 2t + e: the k slot that the decoded
+    weight's register fragment holds it in."""
+    x = torch.arange(2 * 128).view(1, 256)
+    got = layout.gemm_order(x, 2)[0]
+    for q, t, hi, w, h, e in itertools.product(range(2), range(4), range(2), range(4),
+                                               range(2), range(2)):
+        assert got[128 * q + 16 * (2 * w + h) + 8 * hi + 2 * t + e] == (
+            128 * q + 32 * t + 16 * hi + 4 * w + 2 * h + e)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or km.interpreting()),
+                    reason="no GPU and no interpreter")
+@pytest.mark.parametrize(("m", "k"), [(1, 128), (5, 384), (33, 200), (17, 130)])
+def test_the_copy_kernel_orders_and_pads_as_the_definition(m, k):
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(fresh_seed())).to(dev)
+    x = x.to(torch.bfloat16)
+    quads = -(-k // 128)
+    assert torch.equal(gemm.gemm_order(x, quads), layout.gemm_order(x, quads))
+
+
+@pytest.mark.parametrize("m", [33, 64, 65, 128, 300, 8192])
+@pytest.mark.parametrize(("n", "k"), [(37888, 3584), (3584, 18944), (200, 384)])
+def test_launch_shapes_cover_the_rows_and_leave_no_split_empty(m, n, k):
+    launch = gemm.launch_for(m, n, k, 132)
+    quads = k // 128
+    assert launch.token_tile in (64, 128) and launch.row_tiles in (1, 2)
+    assert 1 <= launch.splits <= min(gemm.MAX_SPLITS, quads)
+    per = -(-quads // launch.splits)
+    assert (launch.splits - 1) * per < quads  # the last split has quads to multiply
+
+
+def test_only_whole_quads_of_k_are_supported():
+    scale = torch.zeros(8, 384 // 16, dtype=torch.float8_e4m3fn)
+    assert gemm.supports(384, scale)
+    assert not gemm.supports(400, torch.zeros(8, 400 // 16, dtype=torch.float8_e4m3fn))
+
+
+def test_unavailable_off_cuda_and_named_when_forced():
+    assert "not a CUDA device" in gemm.unavailable_reason(torch.device("cpu"))
+    q = nvfp4.quantize(torch.randn(32, 128) * 0.05)
+    x = torch.randn(40, 128).to(torch.bfloat16)
+    if km.interpreting():
+        with pytest.raises(QuantizationError, match="Hopper NVFP4 GEMM cannot run here"):
+            km.nvfp4_linear(x, layout.to_pairs(q.packed), q.scale, q.global_scale,
+                            path="gemm")
+
+
+def _weight(n: int, k: int, seed: int):
+    q = nvfp4.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+                       * 0.05).to("cuda")
+    return q, (layout.to_pairs(q.packed), q.scale, q.global_scale)
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("n", "k"), [(200, 384), (520, 640), (4608, 3584)])
+def test_every_instance_matches_float64(poisoned, dtype, n, k):
+    """Each launch shape (tokens a block, row tiles, splits) on rows that fill no tile
+    (1, 33, 65, 130, 300) and odd N: within the output's rounding of float64 (fp32
+    partials: to fp32 sums)."""
+    seed = fresh_seed()
+    q, w = _weight(n, k, seed)
+    w64 = nvfp4.dequantize(q, torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    for m in (1, 33, 65, 130, 300):
+        x = torch.randn(m, k, generator=gen).to(dtype).cuda()
+        bias = torch.randn(n, generator=gen).to(dtype).cuda()
+        ref = x.double() @ w64.T + bias.double()
+        for bm, mt, splits in itertools.product((64, 128), (1, 2), (1, 3)):
+            launch = gemm.Launch(bm, mt, splits)
+            p = gemm.partials(x, *w, bias, n, k, launch=launch)
+            got = p.sum(0) if p.shape[0] > 1 else p[0]
+            err = ((got.double() - ref).norm() / ref.norm()).item()
+            tol = 1e-5 if p.shape[0] > 1 else (4e-3 if dtype == torch.bfloat16 else 6e-4)
+            assert err < tol, f"m={m} {launch}, seed {seed}: {err:.2e}"
+            again = gemm.partials(x, *w, bias, n, k, launch=launch)
+            assert torch.equal(p, again), f"not deterministic: m={m} {launch}, seed {seed}"
+
+
+@pytest.mark.gpu
+@HOPPER
+def test_nvfp4_linear_takes_the_gemm_where_it_wins(poisoned):
+    seed = fresh_seed()
+    n, k = 37888, 3584
+    q, w = _weight(n, k, seed)
+    x = torch.randn(96, k, generator=torch.Generator().manual_seed(seed)).to(
+        torch.bfloat16).cuda()
+    assert km.forward_path(x, w[1]) == "gemm"
+    ref = x.double() @ nvfp4.dequantize(q, torch.float64).T
+    got = km.nvfp4_linear(x, *w)
+    assert ((got.double() - ref).norm() / ref.norm()).item() < 4e-3, f"seed {seed}"
+    assert km.forward_path(x[:, :k], w[1].new_zeros(64, k // 16)) == "dequant"  # small W
