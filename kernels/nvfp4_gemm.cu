@@ -24,8 +24,6 @@
 // a quarter warp writes one core matrix (conflict-free). Splits of K (fp32 partials) fill
 // the GPU where N / 128 blocks do not.
 
-#include <type_traits>
-
 #include "nvfp4_decode.cuh"
 
 namespace {
@@ -96,44 +94,29 @@ __device__ __forceinline__ void copy_async8(void* smem, const void* gmem, bool v
 
 constexpr int kThreads = 256;  // two warpgroups
 
-// MT 128-row tiles of W a block (each warpgroup 64 rows of each, one accumulator a tile):
-// every tile of a block reuses its x in shared memory, so more rows a block means fewer
-// reads of x from L2, which bound the kernel once the weight stream is no longer alone.
-template <int MT>
-__host__ __device__ constexpr int rows() {
-  return 128 * MT;
-}
+constexpr int kRows = 128;  // W rows a block: 64 a warpgroup
+constexpr int kStages = 4;
 
-// A stage of the pipeline in shared memory: the codes of 8 MT strips (16 rows x 1 KB),
-// the rows' 8 scale bytes of the quad, then x (BM tokens x 128 columns, wgmma's layout).
-template <int MT>
-__host__ __device__ constexpr int scales_at() {
-  return rows<MT>() * 64;
-}
+// A stage of the pipeline in shared memory: the codes of 8 strips (16 rows x 1 KB), the
+// rows' 8 scale bytes of the quad, then x (BM tokens x 128 columns, wgmma's layout).
+constexpr int kScalesAt = kRows * 64;
+constexpr int kXAt = kRows * 72;  // a multiple of 1024: the swizzled x starts aligned
 
-template <int MT>
-__host__ __device__ constexpr int x_at() {
-  return rows<MT>() * 72;  // a multiple of 1024: the swizzled x starts aligned
-}
-
-template <int BM, int MT>
+template <int BM>
 __host__ __device__ constexpr int stage_bytes() {
-  return x_at<MT>() + BM * 256;
+  return kXAt + BM * 256;
 }
 
-template <int BM, int MT>
-__host__ __device__ constexpr int stages() {
-  return 4;
-}
-
-template <int BM, int MT>
+template <int BM>
 __host__ __device__ constexpr int smem_bytes() {
-  return stages<BM, MT>() * stage_bytes<BM, MT>() + 1024;  // + room to align
+  return kStages * stage_bytes<BM>() + 1024;  // + room to align
 }
 
-template <int BM, int MT>
+// 64 tokens: two blocks share an SM (their registers fit), so one's barrier or decode
+// overlaps the other's wgmmas.
+template <int BM>
 __host__ __device__ constexpr int blocks_per_sm() {
-  return BM == 64 && MT == 1 ? 2 : 1;
+  return BM == 64 ? 2 : 1;
 }
 
 // B's descriptor: K-major with the 128-byte swizzle, each 64 columns of the quad a block of
@@ -156,96 +139,85 @@ struct GemmArgs {
   float post;  // 2^62 (bf16) or 2^14 (fp16)
 };
 
-template <bool BF16, int BM, int MT>
-__global__ void __launch_bounds__(kThreads, blocks_per_sm<BM, MT>())
+template <bool BF16, int BM>
+__global__ void __launch_bounds__(kThreads, blocks_per_sm<BM>())
     nvfp4_gemm_kernel(const __grid_constant__ GemmArgs a) {
-  constexpr int S = stages<BM, MT>(), R = rows<MT>(), STAGE = stage_bytes<BM, MT>();
+  constexpr int S = kStages, STAGE = stage_bytes<BM>();
   extern __shared__ __align__(16) uint8_t smem_raw[];
   // The swizzle pattern repeats every 1024 bytes of address: the stages start aligned.
   uint8_t* smem =
       smem_raw + ((1024 - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw))) & 1023);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int m0 = blockIdx.x * BM, n0 = blockIdx.y * R;
+  const int m0 = blockIdx.x * BM, n0 = blockIdx.y * kRows;
   const int q_begin = blockIdx.z * a.quads_per_split;
   const int q_end = min(a.quads, q_begin + a.quads_per_split);
   if (q_begin >= q_end) return;  // (the host sizes splits so that none is empty)
 
-  // What this thread copies each quad: 2 MT 16-byte pieces of the codes (tiles past the
-  // weight's last are zero-filled), MT rows' 8 scale bytes (threads < 128), and BM / 16
+  // What this thread copies each quad: two 16-byte pieces of the codes (tiles past the
+  // weight's last are zero-filled), one row's 8 scale bytes (threads < 128), and BM / 16
   // pieces of x: piece c of tokens tok0 + 16i. The 128-byte swizzle puts piece c of token
   // tok at 16 (c % 8 ^ tok % 8) in its row of half c / 8, so a quarter warp (one token's
   // eight pieces of a half) writes a whole 128-byte row, conflict-free.
   const int tiles = (a.n + 15) / 16;
-  const uint8_t* code_from[2 * MT];
-  bool code_ok[2 * MT];
+  const uint8_t* code_from[2];
+  bool code_ok[2];
 #pragma unroll
-  for (int i = 0; i < 2 * MT; ++i) {
+  for (int i = 0; i < 2; ++i) {
     const int piece = tid + i * kThreads, tile = n0 / 16 + piece / 64;
     code_ok[i] = tile < tiles;
     code_from[i] = a.pairs + (code_ok[i] ? tile : 0) * a.stride_p + (piece % 64) * 16;
   }
-  const uint8_t* scale_from[MT];
-  bool scale_ok[MT];
-#pragma unroll
-  for (int i = 0; i < MT; ++i) {
-    const int row = n0 + 128 * i + (tid & 127);
-    scale_ok[i] = tid < 128 && row < a.n;
-    scale_from[i] = a.scale + (scale_ok[i] ? row : 0) * a.stride_s;
-  }
+  const int srow = n0 + (tid & (kRows - 1));
+  const bool scale_ok = tid < kRows && srow < a.n;
+  const uint8_t* scale_from = a.scale + (scale_ok ? srow : 0) * a.stride_s;
   const int c = tid & 15, tok0 = tid >> 4;
   const int x_to = (c >> 3) * (BM * 128) + tok0 * 128 + (((c & 7) ^ (tok0 & 7)) << 4);
   const uint16_t* x_from = a.x + static_cast<long long>(m0 + tok0) * a.stride_xm + c * 8;
   auto load = [&](int slot, int q) {
     uint8_t* s = smem + slot * STAGE;
 #pragma unroll
-    for (int i = 0; i < 2 * MT; ++i)
+    for (int i = 0; i < 2; ++i)
       copy_async(reinterpret_cast<uint4*>(s + (tid + i * kThreads) * 16),
                  code_from[i] + (code_ok[i] ? 1024ll * q : 0), code_ok[i]);
-    if (tid < 128)
-#pragma unroll
-      for (int i = 0; i < MT; ++i)
-        copy_async8(s + scales_at<MT>() + (128 * i + tid) * 8,
-                    scale_from[i] + (scale_ok[i] ? 8ll * q : 0), scale_ok[i]);
+    if (tid < kRows)
+      copy_async8(s + kScalesAt + tid * 8, scale_from + (scale_ok ? 8ll * q : 0), scale_ok);
 #pragma unroll
     for (int i = 0; i < BM / 16; ++i) {
       const bool ok = m0 + tok0 + 16 * i < a.m;
-      copy_async(reinterpret_cast<uint4*>(s + x_at<MT>() + x_to + 2048 * i),
+      copy_async(reinterpret_cast<uint4*>(s + kXAt + x_to + 2048 * i),
                  ok ? x_from + 16ll * i * a.stride_xm + 128ll * q : a.x, ok);
     }
   };
 
-  float acc[MT][BM / 2];
+  float acc[BM / 2];
 #pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < BM / 2; ++j) acc[i][j] = 0.f;
+  for (int j = 0; j < BM / 2; ++j) acc[j] = 0.f;
 
 #pragma unroll
   for (int i = 0; i < S - 1; ++i) {
     if (q_begin + i < q_end) load(i, q_begin + i);
     asm volatile("cp.async.commit_group;");
   }
-  // Warp w multiplies strip 8i + w of tile i (rows 16w .. 16w + 15 of the tile's 128):
-  // warpgroup w / 4 holds rows 64 (w / 4) .. + 63 of it, the wgmma's 64.
+  // Warp w multiplies strip w of the block (rows 16w .. 16w + 15): warpgroup w / 4 holds
+  // rows 64 (w / 4) .. + 63 of the block, the wgmma's 64.
   const int code_at = warp * 1024 + g * 64 + t * 16;
-  const int scale_at = scales_at<MT>() + (warp * 16 + g) * 8 + 2 * t;
-  const uint32_t x_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem + x_at<MT>()));
+  const int scale_at = kScalesAt + (warp * 16 + g) * 8 + 2 * t;
+  const uint32_t x_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem + kXAt));
 
-  // Tile i of quad q's weight fragments from its slot: step 2 wd + h multiplies pair h of
-  // word wd's low group (k slots 2t, 2t + 1) and of its high group (slots 2t + 8, 2t + 9),
-  // rows g and g + 8: gemm_order's columns.
-  auto decode = [&](uint32_t (&frag)[8][4], int q, int i) {
+  // Quad q's weight fragments from its slot: step 2 wd + h multiplies pair h of word wd's
+  // low group (k slots 2t, 2t + 1) and of its high group (slots 2t + 8, 2t + 9), rows g
+  // and g + 8: gemm_order's columns.
+  auto decode = [&](uint32_t (&frag)[8][4], int q) {
     const uint8_t* s = smem + ((q - q_begin) % S) * STAGE;
     uint32_t s_lo[2], s_hi[2];
     Vec4 w[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const uint4 v = *reinterpret_cast<const uint4*>(s + 8192 * i + code_at + r * 512);
+      const uint4 v = *reinterpret_cast<const uint4*>(s + code_at + r * 512);
       w[r] = Vec4{{v.x, v.y, v.z, v.w}};
-      scale_pairs<BF16>(
-          *reinterpret_cast<const uint16_t*>(s + scale_at + 1024 * i + r * 64), s_lo[r],
-          s_hi[r]);
+      scale_pairs<BF16>(*reinterpret_cast<const uint16_t*>(s + scale_at + r * 64), s_lo[r],
+                        s_hi[r]);
     }
 #pragma unroll
     for (int wd = 0; wd < 4; ++wd) {
@@ -261,93 +233,70 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm<BM, MT>())
       }
     }
   };
-  // Tile i of quad q: its eight wgmmas go out; while they run, the unit before is waited
-  // for and the next unit decoded into the other fragment registers. Before a new quad
-  // its copy is waited for and the slot of quad q - 1 (all of whose wgmmas are done, in
-  // both warpgroups, after the barrier) refilled.
-  auto unit = [&](int q, auto tile, const uint32_t (&frag)[8][4], uint32_t (&next)[8][4]) {
-    constexpr int i = decltype(tile)::value;
+  // Quad q: its eight wgmmas go out; while they run, the quad before is waited for, the
+  // next quad's copy too, the slot of the quad before (done in both warpgroups after the
+  // barrier) refilled, and the next quad decoded into the other fragment registers.
+  auto step = [&](int q, const uint32_t (&frag)[8][4], uint32_t (&next)[8][4]) {
     const uint32_t x_slot = x_base + ((q - q_begin) % S) * STAGE;
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < 8; ++k)
       Wgmma<BM>::template run<BF16>(
-          acc[i], frag[k], x_descriptor(x_slot + (k >> 2) * BM * 128 + (k & 3) * 32));
+          acc, frag[k], x_descriptor(x_slot + (k >> 2) * BM * 128 + (k & 3) * 32));
     wgmma_commit();
     wgmma_wait<1>();
-    if constexpr (i + 1 < MT) {
-      decode(next, q, i + 1);
-    } else if (q + 1 < q_end) {
+    if (q + 1 < q_end) {
       asm volatile("cp.async.wait_group %0;" ::"n"(S - 3));
       __syncthreads();
       if (q + S - 1 < q_end) load((q - q_begin + S - 1) % S, q + S - 1);
       asm volatile("cp.async.commit_group;");
-      decode(next, q + 1, 0);
+      decode(next, q + 1);
     }
   };
 
   uint32_t frag[2][8][4];
   asm volatile("cp.async.wait_group %0;" ::"n"(S - 2));
   __syncthreads();
-  decode(frag[0], q_begin, 0);
-  if constexpr (MT == 2) {
-    for (int q = q_begin; q < q_end; ++q) {
-      unit(q, std::integral_constant<int, 0>{}, frag[0], frag[1]);
-      unit(q, std::integral_constant<int, 1>{}, frag[1], frag[0]);
-    }
-  } else {
-    for (int q = q_begin; q < q_end; q += 2) {
-      unit(q, std::integral_constant<int, 0>{}, frag[0], frag[1]);
-      if (q + 1 < q_end) unit(q + 1, std::integral_constant<int, 0>{}, frag[1], frag[0]);
-    }
+  decode(frag[0], q_begin);
+  for (int q = q_begin; q < q_end; q += 2) {  // two at a time: the fragments stay in registers
+    step(q, frag[0], frag[1]);
+    if (q + 1 < q_end) step(q + 1, frag[1], frag[0]);
   }
   wgmma_wait<0>();
 
   // D's fragment: per 8 tokens j, rows g and g + 8 of the warp's strip, tokens 2t, 2t + 1.
   const float factor = a.post / *a.global_scale;
 #pragma unroll
-  for (int i = 0; i < MT; ++i)
+  for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
-    for (int j = 0; j < BM / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = n0 + 128 * i + warp * 16 + g + 8 * (e >> 1);
-        const int tok = m0 + 8 * j + 2 * t + (e & 1);
-        if (row >= a.n || tok >= a.m) continue;
-        float v = acc[i][4 * j + e] * factor;
-        if (a.bias != nullptr && blockIdx.z == 0) v += to_float<BF16>(a.bias[row]);
-        const long long at = blockIdx.z * a.stride_os + tok * a.stride_om + row;
-        if (a.out_f32)
-          static_cast<float*>(a.out)[at] = v;
-        else
-          static_cast<uint16_t*>(a.out)[at] = from_float<BF16>(v);
-      }
+    for (int e = 0; e < 4; ++e) {
+      const int row = n0 + warp * 16 + g + 8 * (e >> 1), tok = m0 + 8 * j + 2 * t + (e & 1);
+      if (row >= a.n || tok >= a.m) continue;
+      float v = acc[4 * j + e] * factor;
+      if (a.bias != nullptr && blockIdx.z == 0) v += to_float<BF16>(a.bias[row]);
+      const long long at = blockIdx.z * a.stride_os + tok * a.stride_om + row;
+      if (a.out_f32)
+        static_cast<float*>(a.out)[at] = v;
+      else
+        static_cast<uint16_t*>(a.out)[at] = from_float<BF16>(v);
+    }
 }
 
-template <bool BF16, int BM, int MT>
+template <bool BF16, int BM>
 cudaError_t launch(const GemmArgs& a, int splits, cudaStream_t stream) {
-  const dim3 grid((a.m + BM - 1) / BM, (a.n + rows<MT>() - 1) / rows<MT>(), splits);
-  nvfp4_gemm_kernel<BF16, BM, MT><<<grid, kThreads, smem_bytes<BM, MT>(), stream>>>(a);
+  const dim3 grid((a.m + BM - 1) / BM, (a.n + kRows - 1) / kRows, splits);
+  nvfp4_gemm_kernel<BF16, BM><<<grid, kThreads, smem_bytes<BM>(), stream>>>(a);
   return cudaGetLastError();
 }
 
 template <bool BF16>
-cudaError_t launch_shape(const GemmArgs& a, int splits, int bm, int mt, cudaStream_t s) {
-  if (bm == 64) return mt == 1 ? launch<BF16, 64, 1>(a, splits, s) : launch<BF16, 64, 2>(a, splits, s);
-  return mt == 1 ? launch<BF16, 128, 1>(a, splits, s) : launch<BF16, 128, 2>(a, splits, s);
-}
-
-template <bool BF16>
 cudaError_t prepare() {
-  cudaError_t e = cudaSuccess;
-  auto allow = [&](auto kernel, int bytes) {
-    if (e == cudaSuccess)
-      e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  };
-  allow(nvfp4_gemm_kernel<BF16, 64, 1>, smem_bytes<64, 1>());
-  allow(nvfp4_gemm_kernel<BF16, 128, 1>, smem_bytes<128, 1>());
-  allow(nvfp4_gemm_kernel<BF16, 64, 2>, smem_bytes<64, 2>());
-  allow(nvfp4_gemm_kernel<BF16, 128, 2>, smem_bytes<128, 2>());
+  cudaError_t e = cudaFuncSetAttribute(nvfp4_gemm_kernel<BF16, 64>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       smem_bytes<64>());
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(nvfp4_gemm_kernel<BF16, 128>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<128>());
   return e;
 }
 
@@ -370,9 +319,8 @@ int qerl_nvfp4_gemm(int bf16, const void* x, long long stride_xm, const void* pa
                     long long stride_p, const void* scale, long long stride_s,
                     const void* global_scale, const void* bias, void* out, int out_f32,
                     long long stride_os, long long stride_om, int m, int n, int quads,
-                    int splits, int bm, int mt, int device, void* stream) {
-  if (m < 1 || n < 1 || quads < 1 || splits < 1 || (bm != 64 && bm != 128) ||
-      (mt != 1 && mt != 2))
+                    int splits, int bm, int device, void* stream) {
+  if (m < 1 || n < 1 || quads < 1 || splits < 1 || (bm != 64 && bm != 128))
     return cudaErrorInvalidValue;
   GemmArgs a{};
   a.x = static_cast<const uint16_t*>(x);
@@ -395,7 +343,8 @@ int qerl_nvfp4_gemm(int bf16, const void* x, long long stride_xm, const void* pa
   const cudaError_t e = cudaSetDevice(device);
   if (e != cudaSuccess) return e;
   const auto s = static_cast<cudaStream_t>(stream);
-  return bf16 ? launch_shape<true>(a, splits, bm, mt, s) : launch_shape<false>(a, splits, bm, mt, s);
+  if (bf16) return bm == 64 ? launch<true, 64>(a, splits, s) : launch<true, 128>(a, splits, s);
+  return bm == 64 ? launch<false, 64>(a, splits, s) : launch<false, 128>(a, splits, s);
 }
 
 const char* qerl_nvfp4_gemm_error_string(int error) {

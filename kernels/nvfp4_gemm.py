@@ -24,6 +24,7 @@ from qerl.kernels import nvfp4_layout as layout
 
 SOURCE = Path(__file__).with_name("nvfp4_gemm.cu")
 ARCHS = {"90": "90a"}  # device architecture -> what the kernel is built for
+ROWS = 128  # weight rows a block multiplies
 MAX_SPLITS = 16
 
 
@@ -61,7 +62,7 @@ def _library(arch: str) -> ctypes.CDLL:
     lib.qerl_nvfp4_gemm.argtypes = [
         c.c_int, c.c_void_p, c.c_longlong, c.c_void_p, c.c_longlong, c.c_void_p, c.c_longlong,
         c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_longlong, c.c_longlong, c.c_int,
-        c.c_int, c.c_int, c.c_int, c.c_int, c.c_int, c.c_int, c.c_void_p]
+        c.c_int, c.c_int, c.c_int, c.c_int, c.c_int, c.c_void_p]
     lib.qerl_nvfp4_gemm.restype = c.c_int
     return lib
 
@@ -96,28 +97,23 @@ def supports(k: int, scale: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class Launch:
-    """A launch's shape: tokens a block multiplies (wgmma's N), 128-row tiles of W a block
-    holds (sharing its x), and splits of K."""
+    """A launch's shape: tokens a block multiplies (wgmma's N: 64 or 128) and splits of K."""
 
     token_tile: int
-    row_tiles: int
     splits: int
 
 
 def launch_for(m: int, n: int, k: int, num_sms: int) -> Launch:
-    """The launch shape for an M x K by (N, K) product (kernels/DESIGN.md)."""
+    """64 tokens a block up to 64 rows (two blocks an SM), else 128 (one). Splits of K only
+    where the blocks do not fill the GPU once (q/k/v, o, down): where they do, the fp32
+    partials' traffic costs more than a short last wave (measured on an H100: a 7B gate_up
+    at 64-256 rows is fastest unsplit, a down with ~one block per SM's slot)."""
     bm = 64 if m <= 64 else 128
-    mt = 2 if -(-n // 256) * -(-m // bm) >= num_sms else 1
-    blocks = -(-n // (128 * mt)) * -(-m // bm)
-    slots = num_sms * (2 if (bm, mt) == (64, 1) else 1)
-    most = max(1, min(MAX_SPLITS, k // layout.TILE_WEIGHTS // 4))
-
-    def fill(s: int) -> float:
-        return blocks * s / (-(-blocks * s // slots) * slots)
-
-    best = max(fill(s) for s in range(1, most + 1))
-    splits = next(s for s in range(1, most + 1) if fill(s) >= 0.9 * best)
-    return Launch(bm, mt, nonempty_splits(splits, k // layout.TILE_WEIGHTS))
+    blocks = -(-n // ROWS) * -(-m // bm)
+    slots = num_sms * (2 if bm == 64 else 1)
+    quads = k // layout.TILE_WEIGHTS
+    splits = 1 if blocks >= slots else min(MAX_SPLITS, max(1, quads // 4), -(-slots // blocks))
+    return Launch(bm, nonempty_splits(splits, quads))
 
 
 def nonempty_splits(splits: int, quads: int) -> int:
@@ -148,7 +144,7 @@ def partials(x2: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
         int(x2.dtype == torch.bfloat16), xg.data_ptr(), xg.stride(0), pairs.data_ptr(),
         pairs.stride(0), scale.data_ptr(), scale.stride(0), global_scale.data_ptr(),
         None if bias is None else bias.data_ptr(), out.data_ptr(), int(splits > 1),
-        out.stride(0), out.stride(1), m, n, quads, splits, launch.token_tile, launch.row_tiles,
+        out.stride(0), out.stride(1), m, n, quads, splits, launch.token_tile,
         cuda_build.index_of(x2.device), torch.cuda.current_stream(x2.device).cuda_stream)
     if error:
         raise QuantizationError(f"the Hopper NVFP4 GEMM failed to launch: "

@@ -311,14 +311,14 @@ def nvfp4_dequant_kernel(words_ptr, scale_ptr, global_scale_ptr, out_ptr, N, K,
 
 # Which kernel multiplies M rows by the weight (the crossovers come from `qerl bench
 # kernel-paths`): the CUDA kernel (nvfp4_gemv.cu, where it builds) up to CUDA_MAX_M rows, the
-# fused Triton kernels up to FUSED_MAX_M; the Hopper GEMM (nvfp4_gemm.cu, sm_90) up to
-# GEMM_MAX_M rows for weights of at least GEMM_MIN_WEIGHTS (smaller ones, such as q/k/v and
-# o, are faster in cuBLAS BF16 at every M it runs); beyond, W decoded once and cuBLAS's
-# GEMM. A caller (a benchmark timing one path against another) may name the path instead.
+# fused Triton kernels up to FUSED_MAX_M; the Hopper GEMM (nvfp4_gemm.cu, sm_90) up to the
+# rows GEMM_MAX_M gives a weight of its size (the larger the weight, the longer decoding it
+# once and running cuBLAS BF16 takes, so the later the crossover); beyond, W decoded once
+# and cuBLAS's GEMM. A caller (a benchmark timing one path against another) may name the
+# path instead.
 CUDA_MAX_M = 32
 FUSED_MAX_M = 32
-GEMM_MAX_M = 128
-GEMM_MIN_WEIGHTS = 32 * 2 ** 20
+GEMM_MAX_M = ((0, 64), (24 << 20, 128), (64 << 20, 256))  # (from N x K weights, up to M rows)
 FORWARD_PATHS = ("cuda", "gemm", "triton", "dequant")
 GRAD_INPUT_PATHS = ("triton", "dequant")
 
@@ -418,7 +418,8 @@ def forward_path(x2: torch.Tensor, scale: torch.Tensor) -> str:
     if m <= FUSED_MAX_M:
         return "triton"
     weights = scale.shape[0] * scale.shape[1] * nvfp4.GROUP_SIZE
-    if m <= GEMM_MAX_M and weights >= GEMM_MIN_WEIGHTS and gemm_runs(x2, scale):
+    most = max(rows for least, rows in GEMM_MAX_M if weights >= least)
+    if m <= most and gemm_runs(x2, scale):
         return "gemm"
     return "dequant"
 
