@@ -32,8 +32,9 @@ ENV PYTHONUNBUFFERED=1 \
 
 # Python 3.12 is Ubuntu 24.04's python3. gcc, libc6-dev and python3-dev: Triton compiles
 # a small C launcher for its kernels at run time. cuda-nvcc and cuda-cudart-dev (from the
-# base image's NVIDIA apt repository): nvcc and the CUDA headers, for qerl's CUDA kernel
-# (kernels/nvfp4_gemv.cu), built below for the common GPU architectures.
+# base image's NVIDIA apt repository): nvcc and the CUDA headers, for qerl's CUDA
+# kernels (kernels/nvfp4_gemv.cu, and kernels/nvfp4_gemm.cu for Hopper), built below for the
+# common GPU architectures.
 # DL3008 (pin apt versions) is ignored on purpose: the versions are those that the Ubuntu
 # 24.04 archive serves at build time over the base image's own packages; Ubuntu drops
 # superseded -updates/-security versions from its index, so exact pins would make the
@@ -82,6 +83,6 @@ RUN python3 -m venv /opt/venv \
 ENV CUDA_HOME=/usr/local/cuda QERL_CACHE=/opt/qerl-cache
 COPY . /workspace
 RUN pip install --no-cache-dir --no-deps --no-build-isolation /workspace \
-    && python3 -P -m qerl.kernels.nvfp4_gemv 80 86 89 90 100 120
+    && python3 -P -m qerl.kernels.cuda_build 80 86 89 90 100 120
 
 CMD ["snakemake", "--cores", "all"]
