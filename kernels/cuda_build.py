@@ -23,6 +23,9 @@ import torch
 from qerl.errors import QuantizationError
 
 HERE = Path(__file__).parent
+# Each source and the architectures it is built for: None, every one asked for; else a map
+# from a device's architecture to the target (wgmma needs the architecture-specific sm_90a).
+SOURCES = {"nvfp4_gemv.cu": None, "nvfp4_gemm.cu": {"90": "90a"}}
 
 
 def cache_dir() -> Path:
@@ -109,15 +112,13 @@ def loaded(source: Path, arch: str, index: int) -> ctypes.CDLL:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    from qerl.kernels import nvfp4_gemm, nvfp4_gemv
-
     parser = argparse.ArgumentParser(prog="python -m qerl.kernels.cuda_build",
                                      description="Build the CUDA NVFP4 kernels ahead of use.")
     parser.add_argument("archs", nargs="+", help="compute capabilities, e.g. 90 100")
     for arch in parser.parse_args(argv).archs:
-        print(build(nvfp4_gemv.SOURCE, arch))
-        if arch in nvfp4_gemm.ARCHS:
-            print(build(nvfp4_gemm.SOURCE, nvfp4_gemm.ARCHS[arch]))
+        for name, targets in SOURCES.items():
+            if targets is None or arch in targets:
+                print(build(HERE / name, arch if targets is None else targets[arch]))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from qerl.kernels import cuda_build
 from qerl.kernels import nvfp4_layout as layout
 
 SOURCE = Path(__file__).with_name("nvfp4_gemm.cu")
-ARCHS = {"90": "90a"}  # device architecture -> what the kernel is built for
+ARCHS = cuda_build.SOURCES[SOURCE.name]  # device architecture -> what the kernel is built for
 ROWS = 128  # weight rows a block multiplies
 MAX_SPLITS = 16
 
