@@ -139,6 +139,45 @@ struct GemmArgs {
   float post;  // 2^62 (bf16) or 2^14 (fp16)
 };
 
+// The block's output tile, scaled (and its bias added on split 0), through shared memory:
+// D's fragment (per 8 tokens j: rows g and g + 8 of the warp's strip, tokens 2t, 2t + 1)
+// lands as [token][row], padded 16 bytes a token against bank conflicts, and goes out as
+// 16-byte rows of out[token][n0 ..] instead of 2- or 4-byte scattered stores.
+template <bool BF16, int BM, typename T>
+__device__ __forceinline__ void write_tile(const GemmArgs& a, const float (&acc)[BM / 2],
+                                           uint8_t* smem, int m0, int n0, float factor) {
+  constexpr int kEl = 16 / sizeof(T), kPitch = kRows + kEl, kPieces = kRows / kEl;
+  T* tile = reinterpret_cast<T*>(smem);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const bool bias = a.bias != nullptr && blockIdx.z == 0;
+#pragma unroll
+  for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = warp * 16 + g + 8 * (e >> 1), tok = 8 * j + 2 * t + (e & 1);
+      float v = acc[4 * j + e] * factor;
+      if (bias && n0 + row < a.n) v += to_float<BF16>(a.bias[n0 + row]);
+      if constexpr (sizeof(T) == 4)
+        tile[tok * kPitch + row] = v;
+      else
+        tile[tok * kPitch + row] = from_float<BF16>(v);
+    }
+  __syncthreads();
+  T* out = static_cast<T*>(a.out) + blockIdx.z * a.stride_os;
+  const bool vectors = reinterpret_cast<uintptr_t>(out) % 16 == 0 && a.stride_om % kEl == 0;
+  for (int i = threadIdx.x; i < BM * kPieces; i += kThreads) {
+    const int tok = i / kPieces, col = (i % kPieces) * kEl;
+    if (m0 + tok >= a.m || n0 + col >= a.n) continue;
+    const T* from = tile + tok * kPitch + col;
+    T* to = out + (m0 + tok) * a.stride_om + n0 + col;
+    if (vectors && n0 + col + kEl <= a.n) {
+      *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
+    } else {
+      for (int c = 0; c < kEl && n0 + col + c < a.n; ++c) to[c] = from[c];
+    }
+  }
+}
+
 template <bool BF16, int BM>
 __global__ void __launch_bounds__(kThreads, blocks_per_sm<BM>())
     nvfp4_gemm_kernel(const __grid_constant__ GemmArgs a) {
@@ -263,23 +302,12 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm<BM>())
     if (q + 1 < q_end) step(q + 1, frag[1], frag[0]);
   }
   wgmma_wait<0>();
-
-  // D's fragment: per 8 tokens j, rows g and g + 8 of the warp's strip, tokens 2t, 2t + 1.
+  __syncthreads();  // every warp is done with the stages: the output tile goes through them
   const float factor = a.post / *a.global_scale;
-#pragma unroll
-  for (int j = 0; j < BM / 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = n0 + warp * 16 + g + 8 * (e >> 1), tok = m0 + 8 * j + 2 * t + (e & 1);
-      if (row >= a.n || tok >= a.m) continue;
-      float v = acc[4 * j + e] * factor;
-      if (a.bias != nullptr && blockIdx.z == 0) v += to_float<BF16>(a.bias[row]);
-      const long long at = blockIdx.z * a.stride_os + tok * a.stride_om + row;
-      if (a.out_f32)
-        static_cast<float*>(a.out)[at] = v;
-      else
-        static_cast<uint16_t*>(a.out)[at] = from_float<BF16>(v);
-    }
+  if (a.out_f32)
+    write_tile<BF16, BM, float>(a, acc, smem, m0, n0, factor);
+  else
+    write_tile<BF16, BM, uint16_t>(a, acc, smem, m0, n0, factor);
 }
 
 template <bool BF16, int BM>

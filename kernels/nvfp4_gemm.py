@@ -104,15 +104,19 @@ class Launch:
 
 
 def launch_for(m: int, n: int, k: int, num_sms: int) -> Launch:
-    """64 tokens a block up to 64 rows (two blocks an SM), else 128 (one). Splits of K only
-    where the blocks do not fill the GPU once (q/k/v, o, down): where they do, the fp32
-    partials' traffic costs more than a short last wave (measured on an H100: a 7B gate_up
-    at 64-256 rows is fastest unsplit, a down with ~one block per SM's slot)."""
-    bm = 64 if m <= 64 else 128
-    blocks = -(-n // ROWS) * -(-m // bm)
-    slots = num_sms * (2 if bm == 64 else 1)
+    """The launch shape, as sweeps of every shape on an H100 chose it (kernels/DESIGN.md).
+    A weight of at least half a block per SM (gate_up, a large model's q/k/v) runs unsplit,
+    64 tokens a block (two blocks an SM) unless 128-token blocks pad M no further and M >
+    192. A narrower one (down, o, a small model's q/k/v) splits K so that the blocks fill
+    each SM once, 128 tokens a block above 64 rows: fp32 partials cost more than a short
+    last wave or a second block on an SM gains."""
     quads = k // layout.TILE_WEIGHTS
-    splits = 1 if blocks >= slots else min(MAX_SPLITS, max(1, quads // 4), -(-slots // blocks))
+    tiles = -(-n // ROWS)
+    if 2 * tiles >= num_sms:
+        bm = 128 if m > 192 and -(-m // 128) * 128 <= -(-m // 64) * 64 else 64
+        return Launch(bm, 1)
+    bm = 64 if m <= 64 else 128
+    splits = min(MAX_SPLITS, max(1, quads // 4), max(1, num_sms // (tiles * -(-m // bm))))
     return Launch(bm, nonempty_splits(splits, quads))
 
 
