@@ -33,6 +33,7 @@ the wrapper) until the grid fills the GPU (``launch_config``).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ import triton.language as tl
 
 from qerl.errors import QuantizationError
 from qerl.formats import nvfp4
+from qerl.kernels import crossovers
 from qerl.kernels import nvfp4_gemm as gemm
 from qerl.kernels import nvfp4_gemv as gemv
 from qerl.kernels import nvfp4_layout as layout
@@ -312,13 +314,11 @@ def nvfp4_dequant_kernel(words_ptr, scale_ptr, global_scale_ptr, out_ptr, N, K,
 # Which kernel multiplies M rows by the weight (the crossovers come from `qerl bench
 # kernel-paths`): the CUDA kernel (nvfp4_gemv.cu, where it builds) up to CUDA_MAX_M rows, the
 # fused Triton kernels up to FUSED_MAX_M; the Hopper GEMM (nvfp4_gemm.cu, sm_90) up to the
-# rows GEMM_MAX_M gives a weight of its size (the larger the weight, the longer decoding it
-# once and running cuBLAS BF16 takes, so the later the crossover); beyond, W decoded once
-# and cuBLAS's GEMM. A caller (a benchmark timing one path against another) may name the
-# path instead.
+# rows the card's path sweep measured it winning at the weight's shape (crossovers.py);
+# beyond, W decoded once and cuBLAS's GEMM. A caller (a benchmark timing one path against
+# another) may name the path instead.
 CUDA_MAX_M = 32
 FUSED_MAX_M = 32
-GEMM_MAX_M = ((0, 64), (24 << 20, 128), (64 << 20, 256))  # (from N x K weights, up to M rows)
 FORWARD_PATHS = ("cuda", "gemm", "triton", "dequant")
 GRAD_INPUT_PATHS = ("triton", "dequant")
 
@@ -403,6 +403,11 @@ def cuda_runs(x2: torch.Tensor) -> bool:
     return x2.shape[0] <= gemv.MAX_M and x2.is_cuda and gemv.available(x2.device)
 
 
+@functools.cache
+def _card(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
 def gemm_runs(x2: torch.Tensor, scale: torch.Tensor) -> bool:
     """Whether the Hopper GEMM can multiply the rows x2 by the weight of these scales here."""
     k = scale.shape[1] * nvfp4.GROUP_SIZE
@@ -418,8 +423,7 @@ def forward_path(x2: torch.Tensor, scale: torch.Tensor) -> str:
     if m <= FUSED_MAX_M:
         return "triton"
     weights = scale.shape[0] * scale.shape[1] * nvfp4.GROUP_SIZE
-    most = max(rows for least, rows in GEMM_MAX_M if weights >= least)
-    if m <= most and gemm_runs(x2, scale):
+    if gemm_runs(x2, scale) and m <= crossovers.gemm_max_m(_card(x2.device), weights):
         return "gemm"
     return "dequant"
 

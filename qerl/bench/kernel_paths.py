@@ -1,8 +1,9 @@
 """Time every path of the NVFP4 matmul at each M, forward (the CUDA kernel where it builds
 and M fits, the Hopper GEMM where it runs, the fused Triton kernel, dequantize + cuBLAS)
 and input gradient (Triton, dequantize + cuBLAS), with cuBLAS BF16 in the same run: the
-measurements the crossovers ``CUDA_MAX_M``, ``FUSED_MAX_M`` and ``GEMM_MAX_M`` in
-nvfp4_matmul.py are read from.
+measurements the crossovers ``CUDA_MAX_M`` and ``FUSED_MAX_M`` in nvfp4_matmul.py are read
+from, and the Hopper GEMM's per shape (``python -m qerl.kernels.crossovers`` turns the CSVs
+into the ``crossovers.json`` the package ships).
 
     qerl bench kernel-paths              # -> results/bench/kernel_paths_<card>.csv
     qerl bench kernel-paths --models qwen2.5-7b --layers gate_up --m 16,32,48,64
