@@ -1,9 +1,14 @@
-"""Output directories that appear only once complete, and never replace what a user made."""
+"""Output directories that appear only once complete, never replace what a user made, and
+are written by one process at a time."""
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import shutil
+import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,27 +16,84 @@ from pathlib import Path
 from qerl.errors import QerlError
 
 
+def lock_path(out: Path) -> Path:
+    """The hidden lock file beside ``out`` (removed when its holder ends; a holder killed
+    by a signal leaves it behind, unlocked, for the next claim to take)."""
+    return out.parent / f".{out.name}.lock"
+
+
 @contextmanager
-def atomic_directory(out: str | Path, overwrite: bool, marker: str) -> Iterator[Path]:
-    """Yield a temporary directory beside ``out``, renamed to ``out`` when the block ends
-    without error and removed otherwise. An existing ``out`` is replaced only with
-    ``overwrite`` and only if it is empty or an earlier output of ours (holds ``marker``):
-    never a source model or anything else a user made."""
+def claim(out: str | Path, what: str) -> Iterator[None]:
+    """Hold ``out`` for this process while the block runs. Of two processes writing the same
+    output, the second fails at once with a message naming the first. The lock is the
+    operating system's (flock): a holder that dies, even by kill -9, releases it, so a
+    rerun after a crash proceeds (and resumes) without anyone removing a file."""
     out = Path(out)
-    if out.exists():
-        if not overwrite:
-            raise QerlError(f"{out} already exists; pass --overwrite to replace it")
-        if not out.is_dir() or (any(out.iterdir()) and not (out / marker).exists()):
-            raise QerlError(f"{out} is not an output of qerl (no {marker}); refusing to "
-                            "replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    lock = lock_path(out)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise QerlError(f"{out} is being written by another process ({holder}); wait "
+                            "for it to end, or write to another directory") from None
+        # A holder that just ended removed the file we opened: lock the one now there.
+        if _same_file(fd, lock):
+            break
+        os.close(fd)
     try:
-        yield tmp
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"what": what, "pid": os.getpid(),
+                                  "host": socket.gethostname(),
+                                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+        yield
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        lock.unlink(missing_ok=True)  # still locked: no one holds the file being removed
+        os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _holder(fd: int) -> str:
+    try:
+        h = json.loads(os.pread(fd, 4096, 0))
+        return f"{h['what']}, pid {h['pid']} on {h['host']}, since {h['since']}"
+    except (ValueError, KeyError, TypeError):
+        return "it is starting"
+
+
+@contextmanager
+def atomic_directory(out: str | Path, overwrite: bool, marker: str,
+                     what: str = "qerl") -> Iterator[Path]:
+    """Yield a temporary directory beside ``out``, renamed to ``out`` when the block ends
+    without error and removed otherwise, with ``out`` claimed throughout: of two commands
+    writing it at once, one proceeds and the other fails at once. An existing ``out`` is
+    replaced only with ``overwrite`` and only if it is empty or an earlier output of ours
+    (holds ``marker``): never a source model or anything else a user made."""
+    out = Path(out)
+    with claim(out, what):
+        if out.exists():
+            if not overwrite:
+                raise QerlError(f"{out} already exists; pass --overwrite to replace it")
+            if not out.is_dir() or (any(out.iterdir()) and not (out / marker).exists()):
+                raise QerlError(f"{out} is not an output of qerl (no {marker}); refusing to "
+                                "replace it")
+        for stale in out.parent.glob(f".{out.name}.partial-*"):  # left by a killed writer
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+        tmp.mkdir()
+        try:
+            yield tmp
+            if out.exists():
+                shutil.rmtree(out)
+            tmp.rename(out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)

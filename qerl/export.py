@@ -108,7 +108,7 @@ def export_merged(policy: Policy, out: str | Path, overwrite: bool = False,
                   tokenizer=None) -> Path:
     """A BF16 model with the adapter (and trained norms) merged in; ``tokenizer`` replaces
     the source's tokenizer files."""
-    with atomic_directory(out, overwrite, MARKER) as tmp:
+    with atomic_directory(out, overwrite, MARKER, "qerl export") as tmp:
         _write_model(policy, tmp, base_tensors(policy, merge_lora=policy.lora is not None),
                      tokenizer=tokenizer)
         _record(tmp, policy, "merged")
@@ -122,7 +122,7 @@ def export_for_vllm(policy: Policy, out: str | Path, overwrite: bool = False,
     if policy.method not in ("qerl", "lora"):
         raise PolicyError(f"vLLM serves the qerl and lora exports; for {policy.method!r} "
                           "export a merged model")
-    with atomic_directory(out, overwrite, MARKER) as tmp:
+    with atomic_directory(out, overwrite, MARKER, "qerl export") as tmp:
         tensors = base_tensors(policy, merge_lora=False, keep_nvfp4=policy.method == "qerl")
         (tmp / "base").mkdir()
         ignore = None

@@ -124,7 +124,7 @@ def build_policy(method: str, model: str | Path | None = None, *, arch: str | No
         _check_targets(base, lora.target_modules)
         for p in base.parameters():
             p.requires_grad_(False)
-        wrapped = get_peft_model(base, peft_config(lora, method))
+        wrapped = _stable(get_peft_model(base, peft_config(lora, method)))
     policy = Policy(method, wrapped, base.config, description, lora, save_extras=extras)
     if lora is not None and lora.train_norms:
         for w in policy.norm_weights().values():
@@ -132,6 +132,16 @@ def build_policy(method: str, model: str | Path | None = None, *, arch: str | No
     if aqn is not None:
         policy.aqn = AdaptiveQuantizationNoise(policy.base_model, aqn, total_steps, seed)
     return policy
+
+
+def _stable(model: PeftModel) -> PeftModel:
+    """PEFT keeps target_modules as a set, which it saves in the process's hash order: a
+    rerun would write a different adapter_config.json. Sorted lists save the same bytes."""
+    for config in model.peft_config.values():
+        for name, value in vars(config).items():
+            if isinstance(value, set):
+                setattr(config, name, sorted(value))
+    return model
 
 
 def load_adapter(policy: Policy, directory: str | Path, trainable: bool = False) -> Policy:
@@ -147,8 +157,8 @@ def load_adapter(policy: Policy, directory: str | Path, trainable: bool = False)
     config = _with_lora_layers(LoraConfig.from_pretrained(directory), policy.method)
     base = policy.model.unload() if isinstance(policy.model, PeftModel) else policy.model
     try:
-        policy.model = PeftModel.from_pretrained(base, directory, config=config,
-                                                 is_trainable=trainable)
+        policy.model = _stable(PeftModel.from_pretrained(base, directory, config=config,
+                                                         is_trainable=trainable))
     except (RuntimeError, ValueError, KeyError) as e:  # PEFT's shape and target errors
         # torch lists every mismatching tensor, one per line: name the first.
         problems = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]

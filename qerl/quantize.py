@@ -138,7 +138,7 @@ def quantize_model(
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise QerlError("--device cuda was asked for, but no CUDA GPU is available")
-    with atomic_directory(out, overwrite, REPORT_NAME) as tmp:
+    with atomic_directory(out, overwrite, REPORT_NAME, "qerl quantize") as tmp:
         report = _write(source, tmp, strict, device, max_shard_bytes, progress)
     return report
 

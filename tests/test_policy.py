@@ -205,3 +205,33 @@ def test_bad_requests_are_named(tiny_checkpoint, tmp_path):
         build_policy("qlora", tiny_checkpoint)
     with pytest.raises(PolicyError, match="method 'full' has no adapter"):
         build_policy("full", tiny_checkpoint).save_adapter(tmp_path / "x")
+
+
+SAVE = """
+import sys, torch
+from qerl.policy import build_policy, load_adapter
+torch.manual_seed(0)
+policy = build_policy("lora", sys.argv[1])
+policy.save_adapter(sys.argv[2])
+load_adapter(policy, sys.argv[2])
+policy.save_adapter(sys.argv[3])
+"""
+
+
+def test_the_same_adapter_saves_the_same_bytes_in_any_process(tiny_model_dir, tmp_path):
+    """PEFT's set of target modules is saved in the process's hash order; ours sorted, so
+    reruns (another PYTHONHASHSEED) write byte-identical adapter files, loaded ones too."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    digests = []
+    for seed in ("1", "2"):
+        out = [tmp_path / f"{seed}-{i}" for i in range(2)]
+        subprocess.run([sys.executable, "-c", SAVE, str(tiny_model_dir), *map(str, out)],
+                       check=True, env={**os.environ, "PYTHONHASHSEED": seed})
+        digests.append([hashlib.sha256((d / name).read_bytes()).hexdigest() for d in out
+                        for name in ("adapter_config.json", "adapter_model.safetensors")])
+    assert digests[0] == digests[1]
+    assert digests[0][0] == digests[0][2]  # saved again after loading: the same config

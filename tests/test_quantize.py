@@ -161,3 +161,21 @@ def test_fusion_groups_follow_vllm():
     layers = [f"m.l.0.self_attn.{p}_proj" for p in "qkvo"] + [
         f"m.l.0.mlp.{p}_proj" for p in ("gate", "up", "down")]
     assert fusion_groups(layers) == [layers[:3], [layers[3]], layers[4:6], [layers[6]]]
+
+
+def test_of_two_concurrent_writers_to_one_out_exactly_one_succeeds(tiny_model_dir, tmp_path):
+    """Both started at once: the claim lets one write; the other fails at once (claimed)
+    or finds the finished output (exists). Never both, never a replaced directory."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "q"
+    cmd = [sys.executable, "-m", "qerl.cli", "quantize", "--quiet", "--model",
+           str(tiny_model_dir), "--out", str(out)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    done = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    assert sorted(rc == 0 for rc, _ in done) == [False, True], done
+    failed = next(err for rc, err in done if rc != 0)
+    assert "being written by another process" in failed or "already exists" in failed, failed
+    assert load_checkpoint(out).quantized

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from qerl.atomic import claim
 from qerl.errors import QerlError
 from qerl.eval.metrics import summarize
 from qerl.eval.settings import EvalSettings
@@ -175,9 +176,9 @@ def evaluate(model: str, benches: list[str], out_dir: Path, settings: EvalSettin
              load_task("arithmetic", level=int(b.split("-")[1]),
                        size=limit or ARITHMETIC_SIZE, seed=ARITHMETIC_SEED)
              for b in benches}
-    _check_settings(out_dir, settings, {"model": str(model), "adapter": adapter,
-                                        "method": method, "limit": limit})
-    with torch.no_grad():
+    with claim(out_dir, "qerl eval"), torch.no_grad():
+        _check_settings(out_dir, settings, {"model": str(model), "adapter": adapter,
+                                            "method": method, "limit": limit})
         policy = build_policy(method, model, device=device)
         if adapter:
             load_adapter(policy, adapter)

@@ -57,10 +57,12 @@ def report(results: Path, paper: Path | None = None, expected: Path | None = Non
 
 
 def unread(results: Path, read: set[Path]) -> list[Path]:
-    """Files under ``results`` that no kind of result reads (READMEs and what the report
-    writes aside): a result in the wrong place, or a kind the report does not know."""
+    """Files under ``results`` that no kind of result reads (READMEs, hidden files such as
+    the writers' locks, and what the report writes aside): a result in the wrong place, or
+    a kind the report does not know."""
     return sorted(path for path in results.rglob("*")
                   if path.is_file() and path not in read and path.name != "README.md"
+                  and not path.name.startswith(".")
                   and path.relative_to(results).parts[0] not in OUTPUTS)
 
 

@@ -16,12 +16,15 @@ there is one, train, and save the result.
 from __future__ import annotations
 
 import json
+import os
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import yaml
 from transformers import TrainerCallback, set_seed
 
+from qerl.atomic import claim
 from qerl.config import ConfigError, TrainConfig
 from qerl.policy import build_policy
 from qerl.record import provenance, version
@@ -175,6 +178,17 @@ def train(config: TrainConfig, callbacks: list | None = None):
     """Train (resuming if ``output_dir`` holds a checkpoint); return the trainer. A run
     whose last checkpoint is its last step is not trained again (transformers would take
     one more step): its final weights are written from that checkpoint."""
+    # One writer per output_dir: the main process holds it for the run (a rerun after a
+    # crash takes it over and resumes); the other processes of a launch write nothing there.
+    with claim(config.output_dir, "qerl train") if _main_rank() else nullcontext():
+        return _train(config, callbacks)
+
+
+def _main_rank() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _train(config: TrainConfig, callbacks: list | None):
     from transformers import TrainerState
 
     check_same_run(config)

@@ -158,3 +158,18 @@ def test_bad_sampling_settings_on_the_command_line_are_named(tmp_path, capsys):
     assert main(["eval", "--model", "m", "--samples", "0", "--out", str(tmp_path)]) == 2
     assert "EvalSettings: samples: Input should be greater than or equal to 1" in (
         capsys.readouterr().err)
+
+
+def test_an_evaluation_being_written_is_not_written_twice(chat_model, tmp_path):
+    from qerl.errors import QerlError
+    from tests.test_atomic import holder
+
+    out = tmp_path / "eval"
+    proc = holder(out)
+    try:
+        with pytest.raises(QerlError, match="being written by another process"):
+            evaluate(str(chat_model), ["gsm8k"], out, FAST, data=GSM8K, limit=3)
+        assert not (out / "settings.json").exists()
+    finally:
+        proc.kill()
+        proc.wait()

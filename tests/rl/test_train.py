@@ -320,3 +320,20 @@ def test_a_checkpoint_cut_short_is_not_resumed_from(tmp_path):
             (ckpt / "trainer_state.json").write_text(state)
     assert last_checkpoint(tmp_path).name == "checkpoint-2"
     assert last_checkpoint(tmp_path / "empty") is None
+
+
+def test_a_second_run_on_one_output_dir_fails_at_once(chat_model, tmp_path):
+    """A run holds its output_dir: another started on it fails before building anything,
+    naming the first; once the first has died, a rerun proceeds (and would resume)."""
+    from qerl.errors import QerlError
+    from tests.test_atomic import holder
+
+    proc = holder(tmp_path)
+    try:
+        with pytest.raises(QerlError, match=rf"being written by another process \(qerl train, "
+                                            rf"pid {proc.pid}"):
+            run(settings(chat_model, tmp_path))
+        assert not (tmp_path / "config.yaml").exists()
+    finally:
+        proc.kill()
+        proc.wait()

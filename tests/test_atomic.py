@@ -1,0 +1,97 @@
+"""One writer per output: of two processes claiming the same output directory, the second
+fails at once naming the first; a holder that dies (kill -9) leaves nothing to clean up;
+two quantize/export writers never both succeed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from qerl.atomic import atomic_directory, claim, lock_path
+from qerl.errors import QerlError
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from qerl.atomic import claim
+with claim(Path(sys.argv[1]), "qerl train"):
+    Path(sys.argv[2]).touch()
+    time.sleep(60)
+"""
+
+
+def holder(out: Path) -> subprocess.Popen:
+    """A process that claims ``out`` and holds it (until killed)."""
+    ready = out.parent / f"{out.name}.ready-{uuid.uuid4().hex}"
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(out), str(ready)])
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert proc.poll() is None, "the holder died before claiming"
+        assert time.monotonic() < deadline, "the holder never claimed"
+        time.sleep(0.05)
+    return proc
+
+
+def test_a_second_writer_fails_at_once_naming_the_first(tmp_path):
+    out = tmp_path / "run"
+    proc = holder(out)
+    try:
+        start = time.monotonic()
+        with (pytest.raises(QerlError, match=rf"{out} is being written by another process "
+                                             rf"\(qerl train, pid {proc.pid} on "),
+              claim(out, "qerl eval")):
+            pass
+        assert time.monotonic() - start < 5, "waited instead of failing"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_killed_holder_releases_the_output(tmp_path):
+    out = tmp_path / "run"
+    proc = holder(out)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert lock_path(out).exists()  # left behind, unlocked
+    with claim(out, "qerl train"):  # the rerun after a crash proceeds
+        assert lock_path(out).exists()
+    assert not lock_path(out).exists()
+
+
+def test_claims_are_per_output_and_released_on_exit(tmp_path):
+    with claim(tmp_path / "a", "x"), claim(tmp_path / "b", "x"):
+        pass
+    with claim(tmp_path / "a", "x"):
+        pass
+
+
+def test_overwrite_never_replaces_an_output_being_written(tmp_path):
+    out = tmp_path / "quantized"
+    out.mkdir()
+    (out / "marker").write_text("")
+    proc = holder(out)
+    try:
+        with (pytest.raises(QerlError, match="being written by another process"),
+              atomic_directory(out, overwrite=True, marker="marker")):
+            pass
+        assert (out / "marker").exists()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_killed_writers_partial_directory_is_cleared(tmp_path):
+    out = tmp_path / "quantized"
+    stale = tmp_path / ".quantized.partial-999999"
+    stale.mkdir()
+    (stale / "half-written").write_text("x")
+    with atomic_directory(out, overwrite=False, marker="marker") as tmp:
+        (tmp / "marker").write_text("")
+    assert (out / "marker").exists() and not stale.exists()
