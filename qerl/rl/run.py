@@ -3,9 +3,10 @@ checked configuration, resume from the newest complete checkpoint in ``output_di
 there is one, train, and save the result.
 
     output_dir/
-      checkpoint-N/      transformers/TRL checkpoints (adapter, optimizer, scheduler, RNG,
-                         trainer_state.json written last: a checkpoint without it is
-                         incomplete and skipped)
+      checkpoint-N/      transformers/TRL checkpoints (adapter, optimizer, scheduler, RNG),
+                         manifest.json written last (qerl.rl.checkpoints: a checkpoint whose
+                         files do not match it is not resumed from)
+      damaged/           checkpoints set aside because their files were damaged
       metrics.csv        one row per logged step: TRL's metrics and ours (the report reads it)
       tokenizer/         the tokenizer the run used
       final/             the trained adapter (LoRA methods) or model (full)
@@ -28,29 +29,11 @@ from qerl.atomic import claim
 from qerl.config import ConfigError, TrainConfig
 from qerl.policy import build_policy
 from qerl.record import provenance, version
+from qerl.rl.checkpoints import Manifests, last_checkpoint
 from qerl.rl.data import load_task
 from qerl.tokenizer import policy_tokenizer
 
 METRICS = "metrics.csv"
-
-
-def _complete(checkpoint: Path) -> bool:
-    """transformers writes trainer_state.json last: a checkpoint whose state file is
-    missing or cut short was interrupted while being saved."""
-    import json
-
-    try:
-        json.loads((checkpoint / "trainer_state.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return True
-
-
-def last_checkpoint(output_dir: Path) -> Path | None:
-    """The newest complete checkpoint-N in ``output_dir``."""
-    done = [p for p in output_dir.glob("checkpoint-*")
-            if p.name.split("-")[-1].isdigit() and _complete(p)]
-    return max(done, key=lambda p: int(p.name.split("-")[-1]), default=None)
 
 
 class MetricsCSV(TrainerCallback):
@@ -132,7 +115,7 @@ def build_trainer(config: TrainConfig, callbacks: list | None = None):
                                  cpu=device == "cpu")
     task = fitting_prompts(task, tokenizer, config.rl.max_prompt_length)
     return QerlGRPOTrainer(policy, config, tokenizer, task,
-                           callbacks=[MetricsCSV(config.output_dir / METRICS),
+                           callbacks=[MetricsCSV(config.output_dir / METRICS), Manifests(),
                                       *(callbacks or [])])
 
 

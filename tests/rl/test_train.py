@@ -15,7 +15,8 @@ from transformers import TrainerCallback
 
 from qerl.cli import main as cli
 from qerl.config import ConfigError, load_config, parse_config
-from qerl.rl.run import METRICS, last_checkpoint, train
+from qerl.rl.checkpoints import last_checkpoint
+from qerl.rl.run import METRICS, train
 from qerl.rl.trainer import overlong_reward
 from qerl.tokenizer import TokenizerError
 from tests.conftest import CHAT, require, save_tiny_model, tiny_tokenizer
@@ -312,14 +313,24 @@ def test_the_vllm_backend_serves_the_rollouts(chat_model, tmp_path):
     assert generates[0][2].lora_int_id != generates[1][2].lora_int_id
 
 
-def test_a_checkpoint_cut_short_is_not_resumed_from(tmp_path):
-    for step, state in ((2, '{"global_step": 2}'), (4, '{"global_st'), (6, None)):
-        ckpt = tmp_path / f"checkpoint-{step}"
-        ckpt.mkdir()
-        if state is not None:
-            (ckpt / "trainer_state.json").write_text(state)
-    assert last_checkpoint(tmp_path).name == "checkpoint-2"
-    assert last_checkpoint(tmp_path / "empty") is None
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes(chat_model, tmp_path):
+    """The newest checkpoint's optimizer state cut to half (a crash or a full disk while
+    saving): the rerun resumes from the one before, keeps the damaged one aside, and ends
+    as an undisturbed run does."""
+    whole, hurt = tmp_path / "whole", tmp_path / "hurt"
+    run(settings(chat_model, whole, save_steps=1))
+    run(settings(chat_model, hurt, save_steps=1))
+    assert (hurt / "checkpoint-2" / "manifest.json").is_file()
+    optimizer = hurt / "checkpoint-2" / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[: optimizer.stat().st_size // 2])
+    shutil.rmtree(hurt / "final")
+    run(settings(chat_model, hurt, save_steps=1))  # the same command again
+    assert (hurt / "damaged" / "checkpoint-2" / "optimizer.pt").is_file()
+    a, b = (pd.read_csv(d / METRICS).drop(columns=list(TIMING), errors="ignore")
+            for d in (whole, hurt))
+    pd.testing.assert_frame_equal(a, b)
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (whole / "final" / name).read_bytes() == (hurt / "final" / name).read_bytes()
 
 
 def test_a_second_run_on_one_output_dir_fails_at_once(chat_model, tmp_path):

@@ -1,0 +1,72 @@
+"""Checkpoints whose files do not match their manifest are never resumed from: the newest
+whole one is, damaged newer ones are set aside (kept) with the file named, and a run with
+no whole checkpoint says which file is damaged and what to do."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from qerl.errors import QerlError
+from qerl.rl.checkpoints import DAMAGED, MANIFEST, last_checkpoint, problem, write_manifest
+
+
+def checkpoint(root, step: int, manifest: bool = True):
+    path = root / f"checkpoint-{step}"
+    (path / "sub").mkdir(parents=True)
+    (path / "optimizer.pt").write_bytes(bytes(range(256)) * 8)
+    (path / "sub" / "adapter.safetensors").write_bytes(b"weights")
+    (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    if manifest:
+        write_manifest(path)
+    return path
+
+
+def test_a_whole_checkpoint_verifies_and_damage_is_named(tmp_path):
+    ckpt = checkpoint(tmp_path, 1)
+    assert problem(ckpt) is None
+    assert sorted(json.loads((ckpt / MANIFEST).read_text())["files"]) == [
+        "optimizer.pt", "sub/adapter.safetensors", "trainer_state.json"]
+    opt = ckpt / "optimizer.pt"
+    opt.write_bytes(opt.read_bytes()[:1024])  # cut to half
+    assert problem(ckpt) == ("optimizer.pt has 1024 bytes, its manifest says 2048 (cut short:"
+                             " a crash or a full disk while saving, or changed since)")
+    opt.write_bytes(bytes(2048))  # same size, other bytes
+    assert "optimizer.pt does not match its manifest's SHA-256" in problem(ckpt)
+    opt.unlink()
+    assert problem(ckpt) == "optimizer.pt is missing"
+    (ckpt / MANIFEST).write_text("{")
+    assert problem(ckpt) == f"{MANIFEST} is unreadable"
+
+
+def test_resume_skips_damaged_checkpoints_and_keeps_them_aside(tmp_path, caplog):
+    checkpoint(tmp_path, 1)
+    for step in (2, 3):
+        bad = checkpoint(tmp_path, step)
+        (bad / "optimizer.pt").write_bytes(b"torn")
+    (tmp_path / DAMAGED / "checkpoint-3").mkdir(parents=True)  # an earlier one set aside
+    with caplog.at_level(logging.WARNING):
+        assert last_checkpoint(tmp_path).name == "checkpoint-1"
+    assert "not resuming from" in caplog.text and "optimizer.pt has 4 bytes" in caplog.text
+    assert (tmp_path / DAMAGED / "checkpoint-2" / "optimizer.pt").read_bytes() == b"torn"
+    assert (tmp_path / DAMAGED / "checkpoint-3.1" / "optimizer.pt").is_file()
+    assert last_checkpoint(tmp_path).name == "checkpoint-1"  # again: nothing left to move
+
+
+def test_no_whole_checkpoint_names_the_file_and_the_fix(tmp_path):
+    bad = checkpoint(tmp_path, 4)
+    (bad / "sub" / "adapter.safetensors").write_bytes(b"w")
+    with pytest.raises(QerlError, match=r"checkpoint-4: sub/adapter.safetensors has 1 bytes.*"
+                                        r"Move them out of .* to start the run over"):
+        last_checkpoint(tmp_path)
+    assert bad.is_dir()  # a user's files are not touched
+
+
+def test_checkpoints_from_before_manifests_count_by_their_state_file(tmp_path):
+    checkpoint(tmp_path, 2, manifest=False)
+    torn = checkpoint(tmp_path, 4, manifest=False)
+    (torn / "trainer_state.json").write_text('{"global_st')
+    assert last_checkpoint(tmp_path).name == "checkpoint-2"
+    assert last_checkpoint(tmp_path / "none") is None
