@@ -9,7 +9,6 @@ renamed at the end, so a failure never leaves a half-written checkpoint behind.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,7 +83,6 @@ class Report:
     skipped: dict[str, str] = field(default_factory=dict)
     source_params: int = 0
     checkpoint_bytes: int = 0
-    seconds: float = 0.0
 
     def add_layer(self, name: str, weight: torch.Tensor, q: nvfp4.NVFP4Tensor, fused: list[str]):
         ref = weight.to(torch.float32)
@@ -109,7 +107,6 @@ class Report:
             "bf16_bytes": 2 * self.source_params,
             "checkpoint_bytes": self.checkpoint_bytes,
             "compression": 2 * self.source_params / max(self.checkpoint_bytes, 1),
-            "seconds": round(self.seconds, 3),
             "device": self.device,
         }
         return {
@@ -144,7 +141,6 @@ def quantize_model(
 
 
 def _write(source, tmp: Path, strict, device, max_shard_bytes, progress) -> dict:
-    start = time.perf_counter()
     report = Report(source=source.description, device=str(device))
     names = set(source.names())
     layers = linear_layers(source)
@@ -184,7 +180,6 @@ def _write(source, tmp: Path, strict, device, max_shard_bytes, progress) -> dict
     source.save_extras(tmp)
 
     report.checkpoint_bytes = writer.total_bytes
-    report.seconds = time.perf_counter() - start
     result = report.to_dict()
     (tmp / REPORT_NAME).write_text(json.dumps(result, indent=2))
     return result

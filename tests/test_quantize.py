@@ -179,3 +179,22 @@ def test_of_two_concurrent_writers_to_one_out_exactly_one_succeeds(tiny_model_di
     failed = next(err for rc, err in done if rc != 0)
     assert "being written by another process" in failed or "already exists" in failed, failed
     assert load_checkpoint(out).quantized
+
+
+def test_the_same_quantization_writes_the_same_bytes_in_any_process(tiny_model_dir, tmp_path):
+    """Every file, the report included (no clock in it), equal across processes with other
+    hash orders."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    digests = []
+    for seed in ("1", "2"):
+        out = tmp_path / seed
+        subprocess.run([sys.executable, "-m", "qerl.cli", "quantize", "--quiet", "--model",
+                        str(tiny_model_dir), "--out", str(out)], check=True,
+                       capture_output=True, env={**os.environ, "PYTHONHASHSEED": seed})
+        digests.append({p.relative_to(out).as_posix(): hashlib.sha256(p.read_bytes()).digest()
+                        for p in sorted(out.rglob("*")) if p.is_file()})
+    assert "quantization_report.json" in digests[0] and digests[0] == digests[1]

@@ -31,6 +31,7 @@ from qerl.policy import build_policy
 from qerl.record import provenance, version
 from qerl.rl.checkpoints import Manifests, last_checkpoint
 from qerl.rl.data import load_task
+from qerl.rl.preemption import Preemption
 from qerl.tokenizer import policy_tokenizer
 
 METRICS = "metrics.csv"
@@ -175,7 +176,8 @@ def _train(config: TrainConfig, callbacks: list | None):
     from transformers import TrainerState
 
     check_same_run(config)
-    trainer = build_trainer(config, callbacks)
+    preemption = Preemption()
+    trainer = build_trainer(config, [preemption, *(callbacks or [])])
     main = trainer.is_world_process_zero()
     if main:
         (config.output_dir / "config.yaml").write_text(
@@ -190,6 +192,7 @@ def _train(config: TrainConfig, callbacks: list | None):
         trainer.state = TrainerState.load_from_json(str(resume / "trainer_state.json"))
     else:
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    preemption.check(config.output_dir, trainer.state.global_step)
     if main:
         final = config.output_dir / "final"
         if trainer.policy.lora is not None:

@@ -5,7 +5,9 @@ logs, and bad configurations are refused before any work."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 
 import pandas as pd
 import pytest
@@ -348,3 +350,32 @@ def test_a_second_run_on_one_output_dir_fails_at_once(chat_model, tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+class Terminate(TrainerCallback):
+    """SIGTERM to this process while a step runs, as a scheduler sends it."""
+
+    def __init__(self, at_step: int):
+        self.at_step = at_step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.at_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_saves_at_the_step_end_and_the_rerun_resumes(chat_model, tmp_path):
+    from qerl.rl.preemption import Preempted
+
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    run(settings(chat_model, whole, max_steps=3))
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Preempted, match=r"stopped by SIGTERM after step 1; checkpoint-1 is "
+                                        r"saved .*run the same command to resume"):
+        run(settings(chat_model, stopped, max_steps=3), [Terminate(at_step=0)])
+    assert last_checkpoint(stopped).name == "checkpoint-1"  # saves fall on even steps
+    assert not (stopped / "final").exists()
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is undone
+    run(settings(chat_model, stopped, max_steps=3))
+    a, b = (pd.read_csv(d / METRICS).drop(columns=list(TIMING), errors="ignore")
+            for d in (whole, stopped))
+    pd.testing.assert_frame_equal(a, b)
