@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import os
 import secrets
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,3 +139,22 @@ def tiny_checkpoint(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt") / "nvfp4"
     quantize_model(open_source(str(tiny_model_dir)), out, progress=False)
     return out
+
+
+def tree_digests(root: Path) -> dict[str, bytes]:
+    """SHA-256 of every file under ``root``, by relative path."""
+    import hashlib
+
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).digest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def run_python(args: list[str], hash_seed: str) -> None:
+    """``python *args`` in a fresh process with PYTHONHASHSEED ``hash_seed`` (another set
+    and dict order of strings: what a rerun of a command sees)."""
+    import os
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, *args], check=True, capture_output=True,
+                   env={**os.environ, "PYTHONHASHSEED": hash_seed})

@@ -17,7 +17,7 @@ from qerl.errors import QerlError
 from qerl.export import export_for_vllm, export_merged
 from qerl.noise import AQNSettings
 from qerl.policy import PolicyError, build_policy, load_adapter
-from tests.conftest import fresh_seed, require_smollm2
+from tests.conftest import fresh_seed, require_smollm2, run_python, tree_digests
 from tests.test_policy import IDS, logits, randomize_adapter, rel
 
 
@@ -115,3 +115,21 @@ def test_export_cli_turns_a_gguf_model_into_a_plain_transformers_model(tmp_path)
             smollm2.parent, gguf_file=smollm2.name, dtype=torch.bfloat16)(ids).logits
     assert torch.equal(got, want)
     assert AutoTokenizer.from_pretrained(out).chat_template
+
+
+EXPORT = """
+import sys, torch
+from qerl.export import export_for_vllm, export_merged
+from qerl.policy import build_policy
+torch.manual_seed(0)
+policy = build_policy("qerl", sys.argv[1])
+export_for_vllm(policy, sys.argv[2] + "/vllm")
+export_merged(policy, sys.argv[2] + "/merged")
+"""
+
+
+def test_the_same_export_writes_the_same_bytes_in_any_process(tiny_model_dir, tmp_path):
+    for seed in ("1", "2"):
+        run_python(["-c", EXPORT, str(tiny_model_dir), str(tmp_path / seed)], seed)
+    first = tree_digests(tmp_path / "1")
+    assert "vllm/adapter/adapter_config.json" in first and first == tree_digests(tmp_path / "2")

@@ -18,7 +18,14 @@ from qerl.errors import ArchitectureError
 from qerl.nn import NVFP4Linear
 from qerl.noise import AQNSettings
 from qerl.policy import PolicyError, build_policy, load_adapter
-from tests.conftest import fresh_seed, require, require_smollm2, save_tiny_model
+from tests.conftest import (
+    fresh_seed,
+    require,
+    require_smollm2,
+    run_python,
+    save_tiny_model,
+    tree_digests,
+)
 
 IDS = torch.tensor([[5, 17, 99, 3, 64, 8, 120], [1, 2, 3, 4, 5, 6, 7]])
 
@@ -221,17 +228,9 @@ policy.save_adapter(sys.argv[3])
 def test_the_same_adapter_saves_the_same_bytes_in_any_process(tiny_model_dir, tmp_path):
     """PEFT's set of target modules is saved in the process's hash order; ours sorted, so
     reruns (another PYTHONHASHSEED) write byte-identical adapter files, loaded ones too."""
-    import hashlib
-    import os
-    import subprocess
-    import sys
-
-    digests = []
     for seed in ("1", "2"):
-        out = [tmp_path / f"{seed}-{i}" for i in range(2)]
-        subprocess.run([sys.executable, "-c", SAVE, str(tiny_model_dir), *map(str, out)],
-                       check=True, env={**os.environ, "PYTHONHASHSEED": seed})
-        digests.append([hashlib.sha256((d / name).read_bytes()).hexdigest() for d in out
-                        for name in ("adapter_config.json", "adapter_model.safetensors")])
-    assert digests[0] == digests[1]
-    assert digests[0][0] == digests[0][2]  # saved again after loading: the same config
+        run_python(["-c", SAVE, str(tiny_model_dir), str(tmp_path / seed / "built"),
+                    str(tmp_path / seed / "loaded")], seed)
+    first = tree_digests(tmp_path / "1")
+    assert first == tree_digests(tmp_path / "2")
+    assert first["built/adapter_config.json"] == first["loaded/adapter_config.json"]

@@ -13,7 +13,7 @@ from qerl.checkpoint import load_checkpoint
 from qerl.cli import main
 from qerl.formats import nvfp4
 from qerl.quantize import fusion_groups
-from tests.conftest import save_tiny_model
+from tests.conftest import run_python, save_tiny_model, tree_digests
 
 
 def quantize(*args: str) -> int:
@@ -184,17 +184,8 @@ def test_of_two_concurrent_writers_to_one_out_exactly_one_succeeds(tiny_model_di
 def test_the_same_quantization_writes_the_same_bytes_in_any_process(tiny_model_dir, tmp_path):
     """Every file, the report included (no clock in it), equal across processes with other
     hash orders."""
-    import hashlib
-    import os
-    import subprocess
-    import sys
-
-    digests = []
     for seed in ("1", "2"):
-        out = tmp_path / seed
-        subprocess.run([sys.executable, "-m", "qerl.cli", "quantize", "--quiet", "--model",
-                        str(tiny_model_dir), "--out", str(out)], check=True,
-                       capture_output=True, env={**os.environ, "PYTHONHASHSEED": seed})
-        digests.append({p.relative_to(out).as_posix(): hashlib.sha256(p.read_bytes()).digest()
-                        for p in sorted(out.rglob("*")) if p.is_file()})
-    assert "quantization_report.json" in digests[0] and digests[0] == digests[1]
+        run_python(["-m", "qerl.cli", "quantize", "--quiet", "--model", str(tiny_model_dir),
+                    "--out", str(tmp_path / seed)], seed)
+    first = tree_digests(tmp_path / "1")
+    assert "quantization_report.json" in first and first == tree_digests(tmp_path / "2")
