@@ -12,6 +12,22 @@ from transformers import TrainerCallback
 from qerl.errors import QerlError
 
 
+def _any_process(flag: bool) -> bool:
+    """Whether ``flag`` holds in any process of a distributed run: the signal reaches each
+    at its own moment, and all must stop after the same step (or the next collective waits
+    forever for the ones that stopped)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 class Preempted(QerlError):
     """Training stopped at a checkpoint because the process was asked to end."""
 
@@ -32,7 +48,8 @@ class Preemption(TrainerCallback):
             self._previous = signal.signal(signal.SIGTERM, self._on_signal)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.requested:
+        if _any_process(self.requested):
+            self.requested = True
             control.should_save = True
             control.should_training_stop = True
 

@@ -173,3 +173,15 @@ def test_an_evaluation_being_written_is_not_written_twice(chat_model, tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_same_evaluation_writes_the_same_samples(chat_model, tmp_path):
+    """Samples and scores repeat byte for byte (the summary also records when and where it
+    ran, so only its measurements are compared)."""
+    rows = [evaluate(str(chat_model), ["gsm8k"], tmp_path / run, FAST, data=GSM8K, limit=3)
+            for run in ("a", "b")]
+    assert (tmp_path / "a" / "gsm8k.jsonl").read_bytes() == (
+        tmp_path / "b" / "gsm8k.jsonl").read_bytes()
+    same = {"bench", "problems", "pass@1", "pass@2"}
+    assert [{k: r[k] for k in same & set(r)} for r in rows[0]] == [
+        {k: r[k] for k in same & set(r)} for r in rows[1]]

@@ -266,6 +266,37 @@ def test_two_processes_train_data_parallel(chat_model, tmp_path):
     assert single.state.global_step == 2 and (tmp_path / "out" / "final").is_dir()
 
 
+def test_sigterm_stops_every_process_after_the_same_step(chat_model, tmp_path):
+    """SIGTERM to torchrun (which passes it to both workers, each at its own moment): they
+    agree on the step to stop after, save its checkpoint and exit non-zero. (Resuming a
+    two-process CPU run fails inside transformers, which maps the checkpoint's tensors to
+    "cpu:1"; on GPUs it maps them to each process's device.)"""
+    import re
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    path = tmp_path / "ddp.yaml"
+    out = tmp_path / "out"
+    path.write_text(yaml.safe_dump(settings(chat_model, out, "qerl", max_steps=8,
+                                            save_steps=100)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
+           "qerl.cli", "train", "--config", str(path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not (out / METRICS).exists():  # training runs: the handlers are in place
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=240)
+    steps = set(re.findall(r"stopped by SIGTERM after step (\d+)", err))
+    assert proc.returncode != 0 and len(steps) == 1, err[-3000:]  # every report: one step
+    assert last_checkpoint(out).name == f"checkpoint-{steps.pop()}"
+    assert not (out / "final").exists()
+
+
 @pytest.mark.parametrize(("method", "rl"), [
     ("lora", {"loss_type": "grpo", "beta": 0.04}),
     ("full", {"loss_type": "grpo", "beta": 0.04}),
