@@ -106,8 +106,13 @@ def _set_aside(checkpoint: Path, why: str) -> None:
 
 
 class Manifests(TrainerCallback):
-    """Writes each checkpoint's manifest once transformers has saved it."""
+    """Writes each checkpoint's manifest once transformers has saved it: in a distributed
+    run after every process has written its files (each writes its own RNG state)."""
 
     def on_save(self, args, state, control, **kwargs):
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
         if state.is_world_process_zero:
             write_manifest(Path(args.output_dir) / f"checkpoint-{state.global_step}")
