@@ -1,9 +1,10 @@
-"""Training checkpoints that cannot look complete unless they are: each checkpoint-N gets a
-manifest of every file's size and SHA-256, written last and atomically once transformers
-has saved it; resuming takes the newest checkpoint whose files match their manifest, moves
-newer damaged ones aside into ``damaged/`` (never deleting a user's files) and says which
-file was wrong. Checkpoints written before manifests existed count as whole when their
-trainer_state.json (transformers writes it last) reads.
+"""Training checkpoints that cannot look complete unless they are: transformers saves each
+checkpoint-N into ``output_dir/.staging/``, then it gets a manifest of every file's size and
+SHA-256 and is renamed into place. Resuming takes the newest checkpoint whose files match
+their manifest (damaged later: a full disk, a bad copy), moves newer damaged ones aside into
+``damaged/`` (never deleting a user's files) and says which file was wrong. Checkpoints
+written before manifests existed count as whole when their trainer_state.json (transformers
+writes it last) reads.
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ import hashlib
 import json
 import logging
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
-
-from transformers import TrainerCallback
 
 from qerl.errors import QerlError
 
 MANIFEST = "manifest.json"
 DAMAGED = "damaged"
+STAGING = ".staging"
 log = logging.getLogger(__name__)
 
 
@@ -83,7 +85,7 @@ def last_checkpoint(output_dir: Path) -> Path | None:
         why = problem(checkpoint)
         if why is None:
             for bad, bad_why in damaged:
-                _set_aside(bad, bad_why)
+                _set_aside(bad, f"not resuming from it: {bad_why}")
             return checkpoint
         damaged.append((checkpoint, why))
     if damaged:
@@ -94,7 +96,7 @@ def last_checkpoint(output_dir: Path) -> Path | None:
     return None
 
 
-def _set_aside(checkpoint: Path, why: str) -> None:
+def _set_aside(checkpoint: Path, reason: str) -> None:
     aside = checkpoint.parent / DAMAGED / checkpoint.name
     n = 1
     while aside.exists():
@@ -102,17 +104,42 @@ def _set_aside(checkpoint: Path, why: str) -> None:
         n += 1
     aside.parent.mkdir(exist_ok=True)
     checkpoint.rename(aside)
-    log.warning("not resuming from %s: %s; moved it to %s", checkpoint, why, aside)
+    log.warning("%s: %s; moved it to %s", checkpoint, reason, aside)
 
 
-class Manifests(TrainerCallback):
-    """Writes each checkpoint's manifest once transformers has saved it: in a distributed
-    run after every process has written its files (each writes its own RNG state)."""
+def save_staged(trainer, trial, save: Callable[[], None]) -> None:
+    """Run transformers' checkpoint save ``save`` into ``output_dir/.staging/``, then (once
+    every process has written its files: each saves its own RNG state) write the manifest
+    and rename the checkpoint into place, rotating as transformers would."""
+    from transformers.trainer import rotate_checkpoints
 
-    def on_save(self, args, state, control, **kwargs):
-        import torch.distributed as dist
+    run_dir = Path(trainer._get_output_dir(trial=trial))
+    name = f"checkpoint-{trainer.state.global_step}"
+    staging = run_dir / STAGING
+    main = trainer.is_world_process_zero()
+    if main:
+        shutil.rmtree(staging / name, ignore_errors=True)  # what a killed save left
+    _barrier()
+    trainer._get_output_dir = lambda trial=None: str(staging)  # shadows the method
+    try:
+        save()
+    finally:
+        del trainer._get_output_dir
+    _barrier()
+    if main:
+        write_manifest(staging / name)
+        if (run_dir / name).exists():  # the step saved again after a resume
+            _set_aside(run_dir / name, "replaced by a new save of its step")
+        (staging / name).rename(run_dir / name)
+        staging.rmdir()
+        rotate_checkpoints(output_dir=str(run_dir), save_total_limit=trainer.args.save_total_limit,
+                           best_model_checkpoint=trainer.state.best_model_checkpoint,
+                           use_mtime=True)
+    _barrier()
 
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
-        if state.is_world_process_zero:
-            write_manifest(Path(args.output_dir) / f"checkpoint-{state.global_step}")
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

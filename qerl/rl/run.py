@@ -3,9 +3,10 @@ checked configuration, resume from the newest complete checkpoint in ``output_di
 there is one, train, and save the result.
 
     output_dir/
-      checkpoint-N/      transformers/TRL checkpoints (adapter, optimizer, scheduler, RNG),
-                         manifest.json written last (qerl.rl.checkpoints: a checkpoint whose
-                         files do not match it is not resumed from)
+      checkpoint-N/      transformers/TRL checkpoints (adapter, optimizer, scheduler, RNG) and
+                         a manifest of their sizes and hashes, saved in .staging/ and renamed
+                         into place (qerl.rl.checkpoints: a checkpoint whose files do not
+                         match it is not resumed from)
       damaged/           checkpoints set aside because their files were damaged
       metrics.csv        one row per logged step: TRL's metrics and ours (the report reads it)
       tokenizer/         the tokenizer the run used
@@ -29,7 +30,7 @@ from qerl.atomic import claim
 from qerl.config import ConfigError, TrainConfig
 from qerl.policy import build_policy
 from qerl.record import provenance, version
-from qerl.rl.checkpoints import Manifests, last_checkpoint
+from qerl.rl.checkpoints import last_checkpoint
 from qerl.rl.data import load_task
 from qerl.rl.preemption import Preemption
 from qerl.tokenizer import policy_tokenizer
@@ -116,7 +117,7 @@ def build_trainer(config: TrainConfig, callbacks: list | None = None):
                                  cpu=device == "cpu")
     task = fitting_prompts(task, tokenizer, config.rl.max_prompt_length)
     return QerlGRPOTrainer(policy, config, tokenizer, task,
-                           callbacks=[MetricsCSV(config.output_dir / METRICS), Manifests(),
+                           callbacks=[MetricsCSV(config.output_dir / METRICS),
                                       *(callbacks or [])])
 
 

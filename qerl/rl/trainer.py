@@ -35,6 +35,7 @@ from trl import GRPOConfig, GRPOTrainer
 from qerl.config import ConfigError, TrainConfig
 from qerl.nn.liger import use_liger
 from qerl.nn.padded_attention import use_padded_attention
+from qerl.rl.checkpoints import save_staged
 from qerl.rl.phases import PHASES
 from qerl.rl.rewards import REWARDS, checked
 from qerl.rollout import Engine, SamplingParams
@@ -142,6 +143,12 @@ class QerlGRPOTrainer(GRPOTrainer):
         self._rollout_calls = (-1, 0)  # (step, rollouts sampled in it)
 
     # Rollouts ---------------------------------------------------------------------
+
+    def _save_checkpoint(self, model, trial):
+        # Saved aside and renamed into place with its manifest: a checkpoint-N in
+        # output_dir is whole (qerl.rl.checkpoints).
+        save_staged(self, trial, lambda: super(QerlGRPOTrainer, self)._save_checkpoint(model,
+                                                                                      trial))
 
     def _engine_for(self, batch: int) -> Engine:
         """An engine for ``batch`` sequences, or for as many as engine.kv_budget_gb holds

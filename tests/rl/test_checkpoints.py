@@ -6,11 +6,19 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
 from qerl.errors import QerlError
-from qerl.rl.checkpoints import DAMAGED, MANIFEST, last_checkpoint, problem, write_manifest
+from qerl.rl.checkpoints import (
+    DAMAGED,
+    MANIFEST,
+    last_checkpoint,
+    problem,
+    save_staged,
+    write_manifest,
+)
 
 
 def checkpoint(root, step: int, manifest: bool = True):
@@ -70,3 +78,45 @@ def test_checkpoints_from_before_manifests_count_by_their_state_file(tmp_path):
     (torn / "trainer_state.json").write_text('{"global_st')
     assert last_checkpoint(tmp_path).name == "checkpoint-2"
     assert last_checkpoint(tmp_path / "none") is None
+
+
+class FakeTrainer:
+    """What save_staged reads of a transformers Trainer."""
+
+    def __init__(self, run_dir, step: int):
+        self.run_dir = run_dir
+        self.state = type("State", (), {"global_step": step, "best_model_checkpoint": None})
+        self.args = type("Args", (), {"save_total_limit": None})
+
+    def _get_output_dir(self, trial=None):
+        return str(self.run_dir)
+
+    def is_world_process_zero(self):
+        return True
+
+
+def transformers_save(trainer, die: bool = False):
+    """Writes checkpoint-N where transformers would, into _get_output_dir()."""
+    def save():
+        ckpt = Path(trainer._get_output_dir(trial=None)) / f"checkpoint-{trainer.state.global_step}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "optimizer.pt").write_bytes(b"state")
+        if die:
+            raise KeyboardInterrupt  # killed while saving
+        (ckpt / "trainer_state.json").write_text("{}")
+    return save
+
+
+def test_a_checkpoint_appears_only_whole(tmp_path):
+    trainer = FakeTrainer(tmp_path, 3)
+    with pytest.raises(KeyboardInterrupt):
+        save_staged(trainer, None, transformers_save(trainer, die=True))
+    assert not (tmp_path / "checkpoint-3").exists() and last_checkpoint(tmp_path) is None
+    assert trainer._get_output_dir() == str(tmp_path)  # the trainer's own method again
+    save_staged(trainer, None, transformers_save(trainer))  # the rerun's save
+    ckpt = tmp_path / "checkpoint-3"
+    assert problem(ckpt) is None and (ckpt / MANIFEST).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"]  # no staging left
+    save_staged(trainer, None, transformers_save(trainer))  # the same step saved again
+    assert (tmp_path / DAMAGED / "checkpoint-3" / "optimizer.pt").is_file()
+    assert problem(ckpt) is None
