@@ -118,7 +118,7 @@ def save_staged(trainer, trial, save: Callable[[], None]) -> None:
     staging = run_dir / STAGING
     main = trainer.is_world_process_zero()
     if main:
-        shutil.rmtree(staging / name, ignore_errors=True)  # what a killed save left
+        shutil.rmtree(staging, ignore_errors=True)  # what a killed save left (ours alone)
     _barrier()
     trainer._get_output_dir = lambda trial=None: str(staging)  # shadows the method
     try:

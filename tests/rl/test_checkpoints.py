@@ -113,10 +113,13 @@ def test_a_checkpoint_appears_only_whole(tmp_path):
         save_staged(trainer, None, transformers_save(trainer, die=True))
     assert not (tmp_path / "checkpoint-3").exists() and last_checkpoint(tmp_path) is None
     assert trainer._get_output_dir() == str(tmp_path)  # the trainer's own method again
-    save_staged(trainer, None, transformers_save(trainer))  # the rerun's save
+    trainer.state.global_step = 2  # the rerun resumed from an earlier step
+    save_staged(trainer, None, transformers_save(trainer))
+    trainer.state.global_step = 3
+    save_staged(trainer, None, transformers_save(trainer))
     ckpt = tmp_path / "checkpoint-3"
     assert problem(ckpt) is None and (ckpt / MANIFEST).is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"]  # no staging left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-3"]
     save_staged(trainer, None, transformers_save(trainer))  # the same step saved again
     assert (tmp_path / DAMAGED / "checkpoint-3" / "optimizer.pt").is_file()
     assert problem(ckpt) is None
