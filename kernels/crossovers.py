@@ -6,18 +6,18 @@ GEMM; the GEMM's own time grows with M. So where it stops winning depends on the
 the card, and is measured, not set: ``python -m qerl.kernels.crossovers CSV ...`` writes
 what the path sweeps show into ``crossovers.json`` (shipped with the package), and a test
 checks that the file is what the committed sweeps give. A shape not measured takes the
-crossover of the largest measured weight no larger (else the smallest); a card not
-measured, a measured card's (every card with GEMM rows is a Hopper card, the only ones it
-runs on).
+crossover of the nearest measured one (N and K on a log scale: a wide gate_up and a narrow
+down of the same size split differently); a card not measured, a measured card's (every
+card with GEMM rows is a Hopper card, the only ones it runs on).
 """
 
 from __future__ import annotations
 
 import argparse
-import bisect
 import csv
 import functools
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -28,44 +28,45 @@ FROM_M = 33
 
 
 def from_rows(rows: list[dict]) -> dict[str, dict[str, int]]:
-    """{card: {N x K: most rows}} from path-sweep rows (forward): a shape's most rows is the
+    """{card: {"N,K": most rows}} from path-sweep rows (forward): a shape's most rows is the
     largest M from FROM_M up to which the GEMM is the fastest path at every measured M
     (FROM_M - 1: it never is)."""
     times: dict[tuple, dict[str, float]] = defaultdict(dict)
     for r in rows:
         if r["op"] == "fwd" and int(r["M"]) >= FROM_M:
-            key = (r["card"], int(r["N"]) * int(r["K"]), int(r["M"]))
+            key = (r["card"], f"{int(r['N'])},{int(r['K'])}", int(r["M"]))
             times[key][r["path"]] = float(r["us"])
-    wins: dict[tuple[str, int], list[tuple[int, bool]]] = defaultdict(list)
-    for (card, weights, m), by_path in sorted(times.items()):
+    wins: dict[tuple[str, str], list[tuple[int, bool]]] = defaultdict(list)
+    for (card, shape, m), by_path in sorted(times.items()):
         if "gemm" in by_path:
-            wins[card, weights].append((m, by_path["gemm"] <= min(by_path.values())))
+            wins[card, shape].append((m, by_path["gemm"] <= min(by_path.values())))
     table: dict[str, dict[str, int]] = defaultdict(dict)
-    for (card, weights), by_m in wins.items():
+    for (card, shape), by_m in wins.items():
         most = FROM_M - 1
         for m, won in by_m:
             if not won:
                 break
             most = m
-        table[card][str(weights)] = most
+        table[card][shape] = most
     return dict(table)
 
 
 @functools.cache
-def _table() -> dict[str, list[tuple[int, int]]]:
+def _table() -> dict[str, list[tuple[int, int, int]]]:
     data = json.loads(DATA.read_text()) if DATA.exists() else {}
-    return {card: sorted((int(w), m) for w, m in shapes.items()) for card, shapes in data.items()}
+    return {card: [(*map(int, shape.split(",")), m) for shape, m in shapes.items()]
+            for card, shapes in data.items()}
 
 
-def gemm_max_m(card: str, weights: int) -> int:
-    """Up to how many rows the GEMM runs for a weight of ``weights`` (N x K) on ``card``;
-    FROM_M - 1 where nothing was measured."""
+def gemm_max_m(card: str, n: int, k: int) -> int:
+    """Up to how many rows the GEMM runs for an [n, k] weight on ``card`` (the nearest
+    measured shape's crossover); FROM_M - 1 where nothing was measured."""
     table = _table()
     entries = table.get(card) or next(iter(table.values()), [])
     if not entries:
         return FROM_M - 1
-    at = bisect.bisect_right([w for w, _ in entries], weights) - 1
-    return entries[max(at, 0)][1]
+    nearest = min(entries, key=lambda e: math.log(e[0] / n) ** 2 + math.log(e[1] / k) ** 2)
+    return nearest[2]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,14 +41,18 @@ def nvcc() -> str | None:
 
 def build(source: Path, arch: str, out_dir: Path | None = None) -> Path:
     """Compile ``source`` for ``arch`` (e.g. "90", or "90a" for Hopper-only instructions)
-    into a shared library; return its path (an existing build is reused)."""
+    into a shared library; return its path (an existing build of the same source, headers,
+    arch, flags and nvcc is reused)."""
     compiler = nvcc()
     if compiler is None:
         raise QuantizationError("nvcc not found (set CUDA_HOME or put it on PATH): the "
                                 "CUDA NVFP4 kernels are built on first use")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=False).stdout
-    digest = hashlib.sha256(source.read_bytes() + arch.encode() + version.encode())
+    flags = ["-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
+             f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    digest = hashlib.sha256(source.read_bytes() + arch.encode() + version.encode()
+                            + " ".join(flags).encode())
     for header in sorted(source.parent.glob("*.cuh")):
         digest.update(header.read_bytes())
     out_dir = out_dir or cache_dir()
@@ -58,8 +62,7 @@ def build(source: Path, arch: str, out_dir: Path | None = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         target = Path(tmp) / lib.name
-        cmd = [compiler, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
-               f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(target), str(source)]
+        cmd = [compiler, *flags, "-o", str(target), str(source)]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise QuantizationError(f"building {source.name} failed ({' '.join(cmd)}):\n"

@@ -1,5 +1,6 @@
 // What the NVFP4 CUDA kernels share: the word decode (nvfp4_layout's shuffle), the scale
-// conversion, the packed multiply, 16-byte async copies and 16-bit float conversions.
+// conversion, the packed multiply, 16-byte async copies, 16-bit float conversions and the
+// device guard of their entry points.
 // Included by nvfp4_gemv.cu (mma.sync, M <= 32) and nvfp4_gemm.cu (wgmma, Hopper).
 #pragma once
 
@@ -92,5 +93,23 @@ __device__ __forceinline__ uint16_t from_float(float v) {
   }
   return r;
 }
+
+// The tensors' device, current for one call and then the caller's again, as torch's device
+// guard does: a launch on cuda:1 must not move torch's current device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    cudaGetDevice(&previous_);
+    error_ = cudaSetDevice(device);
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+  cudaError_t error() const { return error_; }
+
+ private:
+  int previous_ = 0;
+  cudaError_t error_;
+};
 
 }  // namespace qerl

@@ -335,7 +335,8 @@ extern "C" {
 // Loads the kernels on ``device`` and allows them their shared memory: before any graph
 // capture, as the small-M kernel's init.
 int qerl_nvfp4_gemm_init(int device) {
-  cudaError_t e = cudaSetDevice(device);
+  const DeviceGuard guard(device);
+  cudaError_t e = guard.error();
   if (e == cudaSuccess) e = prepare<true>();
   if (e == cudaSuccess) e = prepare<false>();
   return e;
@@ -368,8 +369,8 @@ int qerl_nvfp4_gemm(int bf16, const void* x, long long stride_xm, const void* pa
   a.quads_per_split = (quads + splits - 1) / splits;
   a.out_f32 = out_f32;
   a.post = bf16 ? 4611686018427387904.0f : 16384.0f;  // 2^62, 2^14
-  const cudaError_t e = cudaSetDevice(device);
-  if (e != cudaSuccess) return e;
+  const DeviceGuard guard(device);
+  if (guard.error() != cudaSuccess) return guard.error();
   const auto s = static_cast<cudaStream_t>(stream);
   if (bf16) return bm == 64 ? launch<true, 64>(a, splits, s) : launch<true, 128>(a, splits, s);
   return bm == 64 ? launch<false, 64>(a, splits, s) : launch<false, 128>(a, splits, s);

@@ -89,10 +89,13 @@ def available(device: torch.device) -> bool:
     return unavailable_reason(device) is None
 
 
-def supports(k: int, scale: torch.Tensor) -> bool:
+def supports(k: int, scale: torch.Tensor, pairs: torch.Tensor) -> bool:
     """Whether the kernel reads this weight: its scale rows copy 8 bytes (a quad) at a
-    time, so K is a multiple of 128 and the scales 8-byte aligned."""
-    return k % layout.TILE_WEIGHTS == 0 and scale.data_ptr() % 8 == 0 and scale.stride(1) == 1
+    time and its codes 16, so K is a positive multiple of 128 and scale rows and codes are
+    aligned."""
+    return (k > 0 and k % layout.TILE_WEIGHTS == 0 and scale.stride(1) == 1
+            and scale.stride(0) % 8 == 0 and scale.data_ptr() % 8 == 0
+            and pairs.data_ptr() % 16 == 0)
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,7 @@ def partials(x2: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
     with S = 1 the result in x's dtype). Shapes are checked by the caller (nvfp4_matmul)."""
     m = x2.shape[0]
     quads = pairs.shape[1]
-    if not supports(k, scale):
+    if not supports(k, scale, pairs):
         raise QuantizationError(f"the Hopper NVFP4 GEMM takes K a multiple of "
                                 f"{layout.TILE_WEIGHTS} with 8-byte aligned scales; got K = {k}")
     xg = gemm_order(x2, quads)

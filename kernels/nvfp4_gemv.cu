@@ -458,8 +458,8 @@ extern "C" {
 // Loads every kernel on ``device`` now: a first launch inside a CUDA-graph capture must not
 // be the one that loads the module (this library has its own CUDA runtime).
 int qerl_nvfp4_gemv_init(int device) {
-  cudaError_t e = cudaSetDevice(device);
-  if (e != cudaSuccess) return e;
+  const DeviceGuard guard(device);
+  if (guard.error() != cudaSuccess) return guard.error();
   cudaFuncAttributes attr;
   load_all<true>(&attr);
   load_all<false>(&attr);
@@ -522,8 +522,8 @@ int qerl_nvfp4_gemv(int bf16, const void* x, long long stride_xm, int members,
   a.splits = splits;
   const dim3 grid((a.shrink_blocks + blocks) * splits);
   const auto s = static_cast<cudaStream_t>(stream);
-  const cudaError_t e = cudaSetDevice(device);  // the tensors' device, as torch's guard would
-  if (e != cudaSuccess) return e;
+  const DeviceGuard guard(device);
+  if (guard.error() != cudaSuccess) return guard.error();
   return bf16 ? launch_dtype<true>(a, grid, s) : launch_dtype<false>(a, grid, s);
 }
 

@@ -408,22 +408,21 @@ def _card(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)
 
 
-def gemm_runs(x2: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Whether the Hopper GEMM can multiply the rows x2 by the weight of these scales here."""
+def gemm_runs(x2: torch.Tensor, scale: torch.Tensor, pairs: torch.Tensor) -> bool:
+    """Whether the Hopper GEMM can multiply the rows x2 by this weight here."""
     k = scale.shape[1] * nvfp4.GROUP_SIZE
-    return x2.is_cuda and gemm.available(x2.device) and gemm.supports(k, scale)
+    return x2.is_cuda and gemm.available(x2.device) and gemm.supports(k, scale, pairs)
 
 
-def forward_path(x2: torch.Tensor, scale: torch.Tensor) -> str:
-    """The forward path of the rows x2 [M, K] by the weight of these scales (see
-    FORWARD_PATHS)."""
+def forward_path(x2: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor) -> str:
+    """The forward path of the rows x2 [M, K] by this weight (see FORWARD_PATHS)."""
     m = x2.shape[0]
     if m <= CUDA_MAX_M and cuda_runs(x2):
         return "cuda"
     if m <= FUSED_MAX_M:
         return "triton"
-    weights = scale.shape[0] * scale.shape[1] * nvfp4.GROUP_SIZE
-    if gemm_runs(x2, scale) and m <= crossovers.gemm_max_m(_card(x2.device), weights):
+    n, k = scale.shape[0], scale.shape[1] * nvfp4.GROUP_SIZE
+    if gemm_runs(x2, scale, pairs) and m <= crossovers.gemm_max_m(_card(x2.device), n, k):
         return "gemm"
     return "dequant"
 
@@ -434,7 +433,7 @@ def grad_input_path(dy2: torch.Tensor) -> str:
 
 
 def _checked_path(path: str | None, auto, a2: torch.Tensor, scale: torch.Tensor,
-                  paths: tuple[str, ...]) -> str:
+                  pairs: torch.Tensor, paths: tuple[str, ...]) -> str:
     if path is None:
         return auto()
     if path not in paths:
@@ -442,7 +441,7 @@ def _checked_path(path: str | None, auto, a2: torch.Tensor, scale: torch.Tensor,
     if path == "cuda" and not cuda_runs(a2):
         raise QuantizationError(f"the CUDA kernel runs 1 to {gemv.MAX_M} rows on a GPU where "
                                 f"it builds; got {a2.shape[0]} rows on {a2.device}")
-    if path == "gemm" and not gemm_runs(a2, scale):
+    if path == "gemm" and not gemm_runs(a2, scale, pairs):
         reason = (gemm.unavailable_reason(a2.device)
                   or f"K = {scale.shape[1] * nvfp4.GROUP_SIZE} is not a multiple of "
                      f"{layout.TILE_WEIGHTS}, or the scales are not 8-byte aligned")
@@ -505,7 +504,7 @@ def nvfp4_linear(x: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
     x2 = x.reshape(-1, k).contiguous()
     if x2.shape[0] == 0:
         return x.new_empty((*x.shape[:-1], n))
-    path = _checked_path(path, lambda: forward_path(x2, scale), x2, scale,
+    path = _checked_path(path, lambda: forward_path(x2, pairs, scale), x2, scale, pairs,
                          FORWARD_PATHS)
     if path == "dequant":  # compute-bound: decode W once, then the BF16 GEMM
         w = dequantize(pairs, scale, global_scale, x.dtype)
@@ -539,7 +538,7 @@ def nvfp4_linear_grouped_partials(x2: torch.Tensor, weights: list[tuple]) -> lis
     k = x2.shape[1]
     if _one_launch(x2, weights):
         return _columns(gemv.grouped_partials(x2, _members(weights, shapes), k), shapes)
-    if forward_path(x2, weights[0][1]) == "cuda":
+    if forward_path(x2, *weights[0][:2]) == "cuda":
         return [gemv.partials(x2, *w, n, k) for w, (n, _) in zip(weights, shapes, strict=True)]
     return [_fused("fwd", x2, n, k, *w) for w, (n, _) in zip(weights, shapes, strict=True)]
 
@@ -567,7 +566,7 @@ def _check_group(x2: torch.Tensor, weights: list[tuple]) -> list[tuple[int, int]
 
 
 def _one_launch(x2: torch.Tensor, weights: list[tuple]) -> bool:
-    return len(weights) <= gemv.MAX_MEMBERS and forward_path(x2, weights[0][1]) == "cuda"
+    return len(weights) <= gemv.MAX_MEMBERS and forward_path(x2, *weights[0][:2]) == "cuda"
 
 
 def _members(weights: list[tuple], shapes: list[tuple[int, int]]) -> list[gemv.Weight]:
@@ -589,7 +588,7 @@ def nvfp4_linear_grad_input(dy: torch.Tensor, pairs: torch.Tensor, scale: torch.
     dy2 = dy.reshape(-1, n).contiguous()
     if dy2.shape[0] == 0:
         return dy.new_empty((*dy.shape[:-1], k))
-    if _checked_path(path, lambda: grad_input_path(dy2), dy2, scale,
+    if _checked_path(path, lambda: grad_input_path(dy2), dy2, scale, pairs,
                      GRAD_INPUT_PATHS) == "dequant":
         w = dequantize(pairs, scale, global_scale, dy.dtype)
         return (dy2 @ w).reshape(*dy.shape[:-1], k)

@@ -4,10 +4,12 @@ are written by one process at a time."""
 from __future__ import annotations
 
 import fcntl
+import glob
 import json
 import os
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,11 +30,19 @@ def claim(out: str | Path, what: str) -> Iterator[None]:
     output, the second fails at once with a message naming the first. The lock is the
     operating system's (flock): a holder that dies, even by kill -9, releases it, so a
     rerun after a crash proceeds (and resumes) without anyone removing a file."""
-    out = Path(out)
+    out = Path(out).resolve()  # one lock for every spelling of the directory
+    if not out.name:
+        raise QerlError(f"{out} cannot be an output directory")
     out.parent.mkdir(parents=True, exist_ok=True)
     lock = lock_path(out)
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a link: the lock would write into whatever it points at
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise QerlError(f"{lock} (the lock beside {out}) is not a plain file: {e}") from e
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise QerlError(f"{lock} (the lock beside {out}) is not a plain file")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -78,22 +88,33 @@ def atomic_directory(out: str | Path, overwrite: bool, marker: str,
     writing it at once, one proceeds and the other fails at once. An existing ``out`` is
     replaced only with ``overwrite`` and only if it is empty or an earlier output of ours
     (holds ``marker``): never a source model or anything else a user made."""
-    out = Path(out)
+    out = Path(out).resolve()
     with claim(out, what):
-        if out.exists():
-            if not overwrite:
-                raise QerlError(f"{out} already exists; pass --overwrite to replace it")
-            if not out.is_dir() or (any(out.iterdir()) and not (out / marker).exists()):
-                raise QerlError(f"{out} is not an output of qerl (no {marker}); refusing to "
-                                "replace it")
-        for stale in out.parent.glob(f".{out.name}.partial-*"):  # left by a killed writer
-            shutil.rmtree(stale, ignore_errors=True)
+        _check_replaceable(out, overwrite, marker)
+        for pattern in ("partial", "old"):  # what a killed writer left
+            for stale in out.parent.glob(f".{glob.escape(out.name)}.{pattern}-*"):
+                shutil.rmtree(stale, ignore_errors=True)
         tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
         tmp.mkdir()
         try:
             yield tmp
+            # Checked again: the block may have run for minutes, and something may now be
+            # there. The old output goes aside first, so a failure loses neither.
+            _check_replaceable(out, overwrite, marker)
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
             if out.exists():
-                shutil.rmtree(out)
+                out.rename(old)
             tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_replaceable(out: Path, overwrite: bool, marker: str) -> None:
+    if not out.exists():
+        return
+    if not overwrite:
+        raise QerlError(f"{out} already exists; pass --overwrite to replace it")
+    if not out.is_dir() or (any(out.iterdir()) and not (out / marker).exists()):
+        raise QerlError(f"{out} is not an output of qerl (no {marker}); refusing to "
+                        "replace it")

@@ -95,3 +95,45 @@ def test_a_killed_writers_partial_directory_is_cleared(tmp_path):
     with atomic_directory(out, overwrite=False, marker="marker") as tmp:
         (tmp / "marker").write_text("")
     assert (out / "marker").exists() and not stale.exists()
+
+
+def test_glob_characters_in_a_name_touch_no_other_output(tmp_path):
+    other = tmp_path / ".run1.partial-999999"  # another output's (run1) partial directory
+    other.mkdir()
+    with atomic_directory(tmp_path / "run[1]", overwrite=False, marker="m") as tmp:
+        (tmp / "m").write_text("")
+    assert other.is_dir() and (tmp_path / "run[1]" / "m").exists()
+
+
+def test_a_lock_that_is_a_link_is_refused_and_its_target_untouched(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("a user's file")
+    lock_path(tmp_path / "run").symlink_to(victim)
+    with pytest.raises(QerlError, match="is not a plain file"), claim(tmp_path / "run", "x"):
+        pass
+    assert victim.read_text() == "a user's file"
+
+
+def test_every_spelling_of_a_directory_takes_the_same_lock(tmp_path, monkeypatch):
+    (tmp_path / "real" / "run").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "run")
+    monkeypatch.chdir(tmp_path / "real" / "run")
+    proc = holder(tmp_path / "link")
+    try:
+        for spelling in (Path("."), tmp_path / "real" / "run",
+                         tmp_path / "real" / "x" / ".." / "run"):
+            with pytest.raises(QerlError, match="being written"), claim(spelling, "x"):
+                pass
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_an_output_that_appeared_meanwhile_is_not_replaced(tmp_path):
+    out = tmp_path / "q"
+    with (pytest.raises(QerlError, match="already exists"),
+          atomic_directory(out, overwrite=False, marker="m") as tmp):
+        (tmp / "m").write_text("")
+        out.mkdir()  # someone else's, made while we worked
+        (out / "theirs").write_text("keep")
+    assert (out / "theirs").read_text() == "keep"

@@ -27,11 +27,12 @@ LAYERS = ("qkv", "gate_up", "down")
 M_VALUES = (1, 16, 32, 48, 64, 96, 128, 192, 256, 512)
 
 
-def paths(op: str, a: torch.Tensor, scale: torch.Tensor) -> tuple[str, ...]:
+def paths(op: str, a: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor
+          ) -> tuple[str, ...]:
     """The paths that can run op (fwd | bwd) on the rows ``a`` here."""
     if op == "bwd":
         return km.GRAD_INPUT_PATHS
-    runs = {"cuda": km.cuda_runs(a), "gemm": km.gemm_runs(a, scale)}
+    runs = {"cuda": km.cuda_runs(a), "gemm": km.gemm_runs(a, scale, pairs)}
     return tuple(p for p in km.FORWARD_PATHS if runs.get(p, True))
 
 
@@ -50,7 +51,7 @@ def measure(n: int, k: int, m_values, bandwidth: float) -> list[dict]:
             bf16 = time_us(lambda a=a: a @ dense().T) if op == "fwd" else time_us(
                 lambda a=a: a @ dense())
             timed = {path: time_us(lambda a=a, fn=fn, path=path: fn(a, *weight(), path=path))
-                     for path in paths(op, a, q.scale)}
+                     for path in paths(op, a, pairs, q.scale)}
             rows += [{"op": op, "M": m, "N": n, "K": k, "path": path, "us": round(us, 2),
                       "bf16_us": round(bf16, 2), "speedup_vs_bf16": round(bf16 / us, 3),
                       "floor_us": round(1e6 * n * k * 9 / 16 / bandwidth, 2)}

@@ -121,7 +121,7 @@ class LayerBench:
         ref = a.double() @ (self.w64.T if fwd else self.w64)
         err = ((ours().double() - ref).norm() / ref.norm()).item()
         nbytes = self.n * self.k * 9 // 16 + 2 * m * (width + out_width)
-        path = km.forward_path(a, self.q.scale) if fwd else km.grad_input_path(a)
+        path = km.forward_path(a, *packed()[:2]) if fwd else km.grad_input_path(a)
         triton_us = None
         if fwd and m <= km.FUSED_MAX_M:  # the fused Triton forward, the CUDA kernel's baseline
             triton_us = time_us(lambda: km.nvfp4_linear(a, *packed(), path="triton"))

@@ -74,17 +74,18 @@ def _step(checkpoint: Path) -> int | None:
     return int(tail) if checkpoint.name.startswith("checkpoint-") and tail.isdigit() else None
 
 
-def last_checkpoint(output_dir: Path) -> Path | None:
+def last_checkpoint(output_dir: Path, set_aside: bool = True) -> Path | None:
     """The newest whole checkpoint-N in ``output_dir``; damaged ones newer than it are moved
-    into ``output_dir/damaged/`` with a warning naming the file. If there are checkpoints
-    and none is whole, QerlError says which file is damaged and what to do."""
+    into ``output_dir/damaged/`` with a warning naming the file (``set_aside``: the one
+    process of a run that writes). If there are checkpoints and none is whole, QerlError
+    says which file is damaged and what to do."""
     found = sorted((p for p in output_dir.glob("checkpoint-*")
                     if p.is_dir() and _step(p) is not None), key=_step, reverse=True)
     damaged = []
     for checkpoint in found:
         why = problem(checkpoint)
         if why is None:
-            for bad, bad_why in damaged:
+            for bad, bad_why in damaged if set_aside else ():
                 _set_aside(bad, f"not resuming from it: {bad_why}")
             return checkpoint
         damaged.append((checkpoint, why))

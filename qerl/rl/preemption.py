@@ -59,7 +59,8 @@ class Preemption(TrainerCallback):
             self._previous = None
 
     def check(self, output_dir, step: int) -> None:
-        """Raise Preempted if the run stopped for SIGTERM (after its checkpoint)."""
-        if self.requested:
+        """Raise Preempted if the run stopped for SIGTERM (after its checkpoint): in every
+        process, also where the signal came after the last step's agreement."""
+        if _any_process(self.requested):
             raise Preempted(f"stopped by SIGTERM after step {step}; checkpoint-{step} is saved "
                             f"in {output_dir}: run the same command to resume")

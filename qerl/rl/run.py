@@ -140,7 +140,7 @@ def check_same_run(config: TrainConfig) -> None:
     setting its config.yaml lacks (one added to qerl since) counts as unchanged while it
     keeps its default."""
     saved = config.output_dir / "config.yaml"
-    if last_checkpoint(config.output_dir) is None or not saved.is_file():
+    if last_checkpoint(config.output_dir, _main_rank()) is None or not saved.is_file():
         return
     before = _flat(yaml.safe_load(saved.read_text()))
     now = _flat(config.model_dump(mode="json"))
@@ -187,7 +187,7 @@ def _train(config: TrainConfig, callbacks: list | None):
         (config.output_dir / "provenance.json").write_text(json.dumps(
             {**provenance(device), "trl": version("trl"), "peft": version("peft"),
              "processes": trainer.accelerator.num_processes}, indent=2))
-    resume = last_checkpoint(config.output_dir)
+    resume = last_checkpoint(config.output_dir, _main_rank())
     if resume is not None and _step(resume) >= config.train.max_steps:
         trainer._load_from_checkpoint(str(resume))
         trainer.state = TrainerState.load_from_json(str(resume / "trainer_state.json"))

@@ -33,17 +33,20 @@ def test_a_shape_wins_up_to_its_first_loss():
                                     128: {"gemm": 1.0, "dequant": 2.0}})
     sweep += rows("card", 100, 128, {48: {"triton": 0.1}}, op="bwd")  # not the forward
     sweep += rows("card", 200, 128, {48: {"gemm": 5.0, "dequant": 2.0}})
-    assert crossovers.from_rows(sweep) == {"card": {"12800": 64, "25600": 32}}
+    assert crossovers.from_rows(sweep) == {"card": {"100,128": 64, "200,128": 32}}
 
 
-def test_lookup_by_weight_size_and_card(monkeypatch):
-    table = {"A": [(100, 64), (1000, 256)], "B": [(10, 128)]}
+def test_lookup_by_the_nearest_measured_shape_and_card(monkeypatch):
+    """A wide and a narrow weight of one size are told apart (a 14B gate_up is not a 32B
+    down)."""
+    table = {"A": [(37888, 3584, 512), (5120, 27648, 256), (3584, 3584, 64)], "B": [(1, 1, 99)]}
     monkeypatch.setattr(crossovers, "_table", lambda: table)
-    assert [crossovers.gemm_max_m("A", w) for w in (1, 100, 999, 1000, 10**9)] == [
-        64, 64, 64, 256, 256]
-    assert crossovers.gemm_max_m("unmeasured", 1000) == 256  # a measured card's
+    assert crossovers.gemm_max_m("A", 27648, 5120) == 512  # nearest: the wide gate_up
+    assert crossovers.gemm_max_m("A", 5120, 13824) == 256
+    assert crossovers.gemm_max_m("A", 3584, 3584) == 64
+    assert crossovers.gemm_max_m("unmeasured", 3584, 3584) == 64  # a measured card's
     monkeypatch.setattr(crossovers, "_table", lambda: {})
-    assert crossovers.gemm_max_m("A", 1000) == crossovers.FROM_M - 1
+    assert crossovers.gemm_max_m("A", 3584, 3584) == crossovers.FROM_M - 1
 
 
 def test_the_gemm_is_compared_where_the_small_m_kernels_stop():
@@ -58,4 +61,4 @@ def test_the_command_writes_the_table(tmp_path):
         w.writeheader()
         w.writerows(rows("card", 100, 128, {48: {"gemm": 1.0, "dequant": 2.0}}))
     crossovers.main([str(sweep), "--out", str(tmp_path / "out.json")])
-    assert json.loads((tmp_path / "out.json").read_text()) == {"card": {"12800": 48}}
+    assert json.loads((tmp_path / "out.json").read_text()) == {"card": {"100,128": 48}}

@@ -55,10 +55,18 @@ def test_launch_shapes_cover_the_rows_and_leave_no_split_empty(m, n, k):
     assert (launch.splits - 1) * per < quads  # the last split has quads to multiply
 
 
-def test_only_whole_quads_of_k_are_supported():
-    scale = torch.zeros(8, 384 // 16, dtype=torch.float8_e4m3fn)
-    assert gemm.supports(384, scale)
-    assert not gemm.supports(400, torch.zeros(8, 400 // 16, dtype=torch.float8_e4m3fn))
+def test_only_whole_aligned_quads_of_k_are_supported():
+    def weight(k):
+        return torch.zeros(8, max(k, 16) // 16, dtype=torch.float8_e4m3fn), torch.zeros(
+            64, dtype=torch.uint8)
+
+    scale, pairs = weight(384)
+    assert gemm.supports(384, scale, pairs)
+    assert not gemm.supports(400, *weight(400))
+    assert not gemm.supports(0, *weight(0))
+    assert not gemm.supports(384, scale, pairs[1:])  # codes off a 16-byte boundary
+    assert not gemm.supports(384, torch.zeros(8, 25, dtype=torch.float8_e4m3fn)[:, :24],
+                             pairs)  # rows 25 bytes apart
 
 
 def test_unavailable_off_cuda_and_named_when_forced():
@@ -112,9 +120,10 @@ def test_nvfp4_linear_takes_the_gemm_where_it_wins(poisoned):
     q, w = _weight(n, k, seed)
     x = torch.randn(96, k, generator=torch.Generator().manual_seed(seed)).to(
         torch.bfloat16).cuda()
-    assert km.forward_path(x, w[1]) == "gemm"
+    assert km.forward_path(x, *w[:2]) == "gemm"
     ref = x.double() @ nvfp4.dequantize(q, torch.float64).T
     got = km.nvfp4_linear(x, *w)
     assert ((got.double() - ref).norm() / ref.norm()).item() < 4e-3, f"seed {seed}"
-    assert km.forward_path(torch.cat([x] * 2), w[1][:64]) == "dequant"  # small W, 192 rows
-    assert km.forward_path(torch.cat([x] * 7), w[1]) == "dequant"  # 672 rows
+    small = (w[0][:4], w[1][:64])  # 64 rows of W
+    assert km.forward_path(torch.cat([x] * 2), *small) == "dequant"  # 192 rows
+    assert km.forward_path(torch.cat([x] * 7), *w[:2]) == "dequant"  # 672 rows

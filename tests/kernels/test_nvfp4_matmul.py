@@ -120,7 +120,7 @@ def test_a_named_path_runs_where_the_automatic_choice_would_not(poisoned, dtype)
     q, w4, x, bias, dy = make(40, 272, (5,), dtype, seed, device())
     w = nvfp4.dequantize(q, torch.float64)
     tol = 8e-3 if dtype == torch.bfloat16 else 1.5e-3
-    runs = {"cuda": km.cuda_runs(x), "gemm": km.gemm_runs(x, w4[1])}
+    runs = {"cuda": km.cuda_runs(x), "gemm": km.gemm_runs(x, w4[1], w4[0])}
     forward = [p for p in km.FORWARD_PATHS if runs.get(p, True)]
     assert {"triton", "dequant"} <= set(forward)
     for path in forward:
@@ -134,8 +134,8 @@ def test_a_named_path_runs_where_the_automatic_choice_would_not(poisoned, dtype)
 @needs_kernels
 def test_paths_are_chosen_by_m_and_bad_names_refused():
     _, w4, x, _, dy = make(32, 64, (40,), torch.bfloat16, 0, device())
-    assert km.forward_path(x, w4[1]) == "dequant" and km.grad_input_path(dy) == "dequant"
-    assert km.forward_path(x[:km.FUSED_MAX_M], w4[1]) in ("cuda", "triton")
+    assert km.forward_path(x, *w4[:2]) == "dequant" and km.grad_input_path(dy) == "dequant"
+    assert km.forward_path(x[:km.FUSED_MAX_M], *w4[:2]) in ("cuda", "triton")
     assert km.grad_input_path(dy[:km.FUSED_MAX_M]) == "triton"
     with pytest.raises(QuantizationError, match="unknown path 'fast'; choose one of cuda"):
         km.nvfp4_linear(x, *w4, path="fast")

@@ -63,6 +63,17 @@ def test_resume_skips_damaged_checkpoints_and_keeps_them_aside(tmp_path, caplog)
     assert last_checkpoint(tmp_path).name == "checkpoint-1"  # again: nothing left to move
 
 
+def test_only_the_writing_process_sets_checkpoints_aside(tmp_path):
+    """Every process of a run looks for the checkpoint; one moves the damaged ones (two
+    moving the same folder at once would fail)."""
+    checkpoint(tmp_path, 1)
+    (checkpoint(tmp_path, 2) / "optimizer.pt").write_bytes(b"torn")
+    assert last_checkpoint(tmp_path, set_aside=False).name == "checkpoint-1"
+    assert (tmp_path / "checkpoint-2").is_dir()
+    assert last_checkpoint(tmp_path).name == "checkpoint-1"
+    assert not (tmp_path / "checkpoint-2").exists()
+
+
 def test_no_whole_checkpoint_names_the_file_and_the_fix(tmp_path):
     bad = checkpoint(tmp_path, 4)
     (bad / "sub" / "adapter.safetensors").write_bytes(b"w")
