@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -74,6 +75,24 @@ def build(source: Path, arch: str, out_dir: Path | None = None) -> Path:
 def arch_of(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     return f"{major}{minor}"
+
+
+def unavailable_reason(device: torch.device, why_not: Callable[[str], str | None]
+                       ) -> str | None:
+    """Why a kernel cannot run on ``device``: not a CUDA device, else ``why_not`` of its
+    architecture (None: it can)."""
+    if device.type != "cuda":
+        return f"{device} is not a CUDA device"
+    return why_not(arch_of(device))
+
+
+def build_failure(load: Callable[[], object]) -> str | None:
+    """The error of ``load`` (building and opening a library), None if it succeeds."""
+    try:
+        load()
+    except (QuantizationError, OSError) as e:
+        return str(e)
+    return None
 
 
 def index_of(device: torch.device) -> int:

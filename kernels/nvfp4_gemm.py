@@ -71,22 +71,20 @@ def _library(arch: str) -> ctypes.CDLL:
 def _unavailable(device_arch: str) -> str | None:
     if device_arch not in ARCHS:
         return f"the GPU (sm_{device_arch}) has no wgmma (the kernel is for sm_90)"
-    try:
-        _library(ARCHS[device_arch])
-    except (QuantizationError, OSError) as e:
-        return str(e)
-    return None
+    return cuda_build.build_failure(lambda: _library(ARCHS[device_arch]))
 
 
 def unavailable_reason(device: torch.device) -> str | None:
     """Why the kernel cannot run on ``device`` (None: it can); builds it if needed."""
-    if device.type != "cuda":
-        return f"{device} is not a CUDA device"
-    return _unavailable(cuda_build.arch_of(device))
+    return cuda_build.unavailable_reason(device, _unavailable)
 
 
 def available(device: torch.device) -> bool:
     return unavailable_reason(device) is None
+
+
+REQUIREMENT = (f"K a positive multiple of {layout.TILE_WEIGHTS}, the codes 16-byte and the "
+               "scale rows 8-byte aligned")
 
 
 def supports(k: int, scale: torch.Tensor, pairs: torch.Tensor) -> bool:
@@ -136,8 +134,7 @@ def partials(x2: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
     m = x2.shape[0]
     quads = pairs.shape[1]
     if not supports(k, scale, pairs):
-        raise QuantizationError(f"the Hopper NVFP4 GEMM takes K a multiple of "
-                                f"{layout.TILE_WEIGHTS} with 8-byte aligned scales; got K = {k}")
+        raise QuantizationError(f"the Hopper NVFP4 GEMM takes {REQUIREMENT}; got K = {k}")
     xg = gemm_order(x2, quads)
     launch = launch or launch_for(m, n, k, torch.cuda.get_device_properties(x2.device)
                                   .multi_processor_count)

@@ -51,18 +51,12 @@ def _library(arch: str) -> ctypes.CDLL:
 def _unavailable(arch: str) -> str | None:
     if int(arch) < 80:
         return f"the GPU (sm_{arch}) has no bf16 tensor-core mma (needs sm_80 or newer)"
-    try:
-        _library(arch)
-    except (QuantizationError, OSError) as e:
-        return str(e)
-    return None
+    return cuda_build.build_failure(lambda: _library(arch))
 
 
 def unavailable_reason(device: torch.device) -> str | None:
     """Why the CUDA kernel cannot run on ``device`` (None: it can); builds it if needed."""
-    if device.type != "cuda":
-        return f"{device} is not a CUDA device"
-    return _unavailable(cuda_build.arch_of(device))
+    return cuda_build.unavailable_reason(device, _unavailable)
 
 
 def available(device: torch.device) -> bool:

@@ -442,9 +442,8 @@ def _checked_path(path: str | None, auto, a2: torch.Tensor, scale: torch.Tensor,
         raise QuantizationError(f"the CUDA kernel runs 1 to {gemv.MAX_M} rows on a GPU where "
                                 f"it builds; got {a2.shape[0]} rows on {a2.device}")
     if path == "gemm" and not gemm_runs(a2, scale, pairs):
-        reason = (gemm.unavailable_reason(a2.device)
-                  or f"K = {scale.shape[1] * nvfp4.GROUP_SIZE} is not a multiple of "
-                     f"{layout.TILE_WEIGHTS}, or the scales are not 8-byte aligned")
+        reason = (gemm.unavailable_reason(a2.device) or f"it takes {gemm.REQUIREMENT}; got "
+                  f"K = {scale.shape[1] * nvfp4.GROUP_SIZE}")
         raise QuantizationError(f"the Hopper NVFP4 GEMM cannot run here: {reason}")
     return path
 
