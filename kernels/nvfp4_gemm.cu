@@ -1,8 +1,7 @@
 // NVFP4 x BF16/FP16 GEMM on Hopper tensor cores (wgmma), for the rows the CUDA small-M
-// kernel (nvfp4_gemv.cu) leaves: out[S][M][N] = split-K partial sums of x[M, K] @
-// deq(W[N, K])^T, M from 33 rows (a rollout's decode step) to tens of thousands (training).
-// Built and loaded by nvfp4_gemm.py; sm_90a only (wgmma is an architecture-specific
-// feature).
+// kernel (nvfp4_gemv.cu) leaves: out[M][N] = x[M, K] @ deq(W[N, K])^T (+ bias), M from 33
+// rows (a rollout's decode step) to tens of thousands (training). Built and loaded by
+// nvfp4_gemm.py; sm_90a only (wgmma is an architecture-specific feature).
 //
 // Shape of the computation: D[64 W rows x BM tokens] += A[64 x 16] B[16 x BM] per wgmma, A
 // the decoded weight in registers, B x^T in shared memory. So each weight is decoded once
@@ -13,16 +12,18 @@
 // (g, t) of warp w owns rows 16w + g and 16w + g + 8 of its warpgroup's 64 and, in a quad of
 // four 32-weight chunks (128 of K), chunk t. Its k values are not the 16 consecutive ones
 // wgmma's A fragment names, so x is stored in that order instead: nvfp4_layout.gemm_order
-// permutes x's columns within each 128 (one torch copy of x, ~1% of the weight's bytes at
-// the sizes where this kernel runs), and B's 16-column k steps read it as they come.
+// permutes x's columns within each 128 (one copy of x, ~1% of the weight's bytes at the
+// sizes where this kernel runs), and B's 16-column k steps read it as they come.
 //
-// A block: two warpgroups (128 W rows) x BM tokens (64, 128 or 256), a multistage cp.async
+// A block: two warpgroups (128 W rows) x BM tokens (64 or 128), a multistage cp.async
 // pipeline of 128-column quads (the W tiles of 16 rows x 1 KB, their 128 x 8 scale bytes and
-// BM x 256 bytes of x), each quad eight wgmmas of K = 16 per warpgroup. x sits in wgmma's
-// no-swizzle K-major layout: 8-token x 16-byte core matrices, the two halves of a k step
-// 128 bytes apart (LBO), 8-token groups 256 bytes apart (SBO), so every copy is 16 bytes and
-// a quarter warp writes one core matrix (conflict-free). Splits of K (fp32 partials) fill
-// the GPU where N / 128 blocks do not.
+// BM x 256 bytes of x in wgmma's K-major layout with the 128-byte swizzle), each quad eight
+// wgmmas of K = 16 per warpgroup. The work is split stream-K: a (tile, quad) pair is a
+// unit, and the grid's blocks (as many as fit on the GPU at once) each take an equal run of
+// units in tile order, so no wave is short and one pipeline runs through a block's tiles.
+// A tile shared by several blocks is finished by the block holding its first quad, which
+// adds the others' fp32 partials in block order: the sum's order is fixed by the launch
+// shape, and results repeat bit for bit.
 
 #include "nvfp4_decode.cuh"
 
@@ -142,49 +143,105 @@ struct GemmArgs {
   const uint8_t* scale;
   const float* global_scale;
   const uint16_t* bias;  // or null
-  void* out;             // [splits][m][n]: fp32 if out_f32, else x's dtype
-  long long stride_xm, stride_p, stride_s, stride_os, stride_om;
-  int m, n, quads, quads_per_split, out_f32;
+  uint16_t* out;         // [m][n], x's dtype
+  float* partial;        // [blocks][BM / 2][kThreads]: a block's first piece of a tile
+  int* ready;            // [blocks], zeros: set once the block's partial is written
+  long long stride_xm, stride_p, stride_s, stride_om;
+  long long units;  // tiles * quads, tiles = tiles_m * ceil(n / kRows), m fastest
+  int m, n, quads, tiles_m, blocks;
   float post;  // 2^62 (bf16) or 2^14 (fp16)
 };
 
-// The block's output tile, scaled (and its bias added on split 0), through shared memory:
-// D's fragment (per 8 tokens j: rows g and g + 8 of the warp's strip, tokens 2t, 2t + 1)
-// lands as [token][row], padded 16 bytes a token against bank conflicts, and goes out as
-// 16-byte rows of out[token][n0 ..] instead of 2- or 4-byte scattered stores.
-template <bool BF16, int BM, typename T>
+// The first (tile, quad) unit of block b: each block multiplies an equal run of the units
+// (stream-K), so every SM has the same work and no wave is short.
+__device__ __forceinline__ long long first_unit(const GemmArgs& a, int b) {
+  return a.units * b / a.blocks;
+}
+
+// The block's output tile, scaled and its bias added, through shared memory: D's fragment
+// (per 8 tokens j: rows g and g + 8 of the warp's strip, tokens 2t, 2t + 1) lands as
+// [token][row], padded 16 bytes a token against bank conflicts, and goes out as 16-byte
+// rows of out[token][n0 ..] instead of 2-byte scattered stores.
+template <bool BF16, int BM>
 __device__ __forceinline__ void write_tile(const GemmArgs& a, const float (&acc)[BM / 2],
-                                           uint8_t* smem, int m0, int n0, float factor) {
-  constexpr int kEl = 16 / sizeof(T), kPitch = kRows + kEl, kPieces = kRows / kEl;
-  T* tile = reinterpret_cast<T*>(smem);
+                                           uint8_t* smem, int m0, int n0) {
+  constexpr int kEl = 8, kPitch = kRows + kEl, kPieces = kRows / kEl;
+  static_assert(BM * kPitch * 2 <= stage_bytes<BM>(), "the tile fits a stage");
+  uint16_t* tile = reinterpret_cast<uint16_t*>(smem);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const bool bias = a.bias != nullptr && blockIdx.z == 0;
+  const float factor = a.post / *a.global_scale;
 #pragma unroll
   for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int row = warp * 16 + g + 8 * (e >> 1), tok = 8 * j + 2 * t + (e & 1);
       float v = acc[4 * j + e] * factor;
-      if (bias && n0 + row < a.n) v += to_float<BF16>(a.bias[n0 + row]);
-      if constexpr (sizeof(T) == 4)
-        tile[tok * kPitch + row] = v;
-      else
-        tile[tok * kPitch + row] = from_float<BF16>(v);
+      if (a.bias != nullptr && n0 + row < a.n) v += to_float<BF16>(a.bias[n0 + row]);
+      tile[tok * kPitch + row] = from_float<BF16>(v);
     }
   __syncthreads();
-  T* out = static_cast<T*>(a.out) + blockIdx.z * a.stride_os;
-  const bool vectors = reinterpret_cast<uintptr_t>(out) % 16 == 0 && a.stride_om % kEl == 0;
+  const bool vectors =
+      reinterpret_cast<uintptr_t>(a.out) % 16 == 0 && a.stride_om % kEl == 0;
   for (int i = threadIdx.x; i < BM * kPieces; i += kThreads) {
     const int tok = i / kPieces, col = (i % kPieces) * kEl;
     if (m0 + tok >= a.m || n0 + col >= a.n) continue;
-    const T* from = tile + tok * kPitch + col;
-    T* to = out + (m0 + tok) * a.stride_om + n0 + col;
+    const uint16_t* from = tile + tok * kPitch + col;
+    uint16_t* to = a.out + (m0 + tok) * a.stride_om + n0 + col;
     if (vectors && n0 + col + kEl <= a.n) {
       *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
     } else {
       for (int c = 0; c < kEl && n0 + col + c < a.n; ++c) to[c] = from[c];
     }
   }
+}
+
+__device__ __forceinline__ void release(int* flag) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(flag), "r"(1) : "memory");
+}
+
+__device__ __forceinline__ void acquire(const int* flag) {
+  int v;
+  for (;;) {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+    if (v) return;
+    __nanosleep(256);
+  }
+}
+
+// A piece of a tile (quads q_first .. q_last of it) is done, its sums in acc. A piece that
+// does not start the tile is some block's first: its sums go to the block's partial for
+// the block that holds the tile's start, which, the piece being its last, comes to it
+// after its other work, adds the partials in block order (a sum order fixed by the launch
+// shape) and writes the tile.
+template <bool BF16, int BM>
+__device__ __forceinline__ void finish_piece(const GemmArgs& a, float (&acc)[BM / 2],
+                                             uint8_t* smem, long long tile, int q_first,
+                                             int q_last) {
+  const int tid = threadIdx.x;
+  if (q_first != 0) {
+    float* to = a.partial + static_cast<long long>(blockIdx.x) * (BM / 2) * kThreads + tid;
+#pragma unroll
+    for (int j = 0; j < BM / 2; ++j) __stcg(to + j * kThreads, acc[j]);
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence();
+      release(a.ready + blockIdx.x);
+    }
+    return;
+  }
+  if (q_last != a.quads - 1) {
+    const long long tile_end = (tile + 1) * a.quads;
+    for (int b = blockIdx.x + 1; b < a.blocks && first_unit(a, b) < tile_end; ++b) {
+      if (tid == 0) acquire(a.ready + b);
+      __syncthreads();
+      const float* from = a.partial + static_cast<long long>(b) * (BM / 2) * kThreads + tid;
+#pragma unroll
+      for (int j = 0; j < BM / 2; ++j) acc[j] += __ldcg(from + j * kThreads);
+    }
+  }
+  __syncthreads();  // both warpgroups are done with the stage the tile goes through
+  const int nb = static_cast<int>(tile / a.tiles_m), mb = static_cast<int>(tile % a.tiles_m);
+  write_tile<BF16, BM>(a, acc, smem, mb * BM, nb * kRows);
 }
 
 template <bool BF16, int BM>
@@ -197,44 +254,58 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm<BM>())
       smem_raw + ((1024 - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw))) & 1023);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int m0 = blockIdx.x * BM, n0 = blockIdx.y * kRows;
-  const int q_begin = blockIdx.z * a.quads_per_split;
-  const int q_end = min(a.quads, q_begin + a.quads_per_split);
-  if (q_begin >= q_end) return;  // (the host sizes splits so that none is empty)
+  const long long begin = first_unit(a, blockIdx.x);
+  const int count = static_cast<int>(first_unit(a, blockIdx.x + 1) - begin);
+  if (count <= 0) return;  // (the host launches at most one block a unit)
 
-  // What this thread copies each quad: two 16-byte pieces of the codes (tiles past the
-  // weight's last are zero-filled), one row's 8 scale bytes (threads < 128), and BM / 16
-  // pieces of x: piece c of tokens tok0 + 16i. The 128-byte swizzle puts piece c of token
-  // tok at 16 (c % 8 ^ tok % 8) in its row of half c / 8, so a quarter warp (one token's
-  // eight pieces of a half) writes a whole 128-byte row, conflict-free.
-  const int tiles = (a.n + 15) / 16;
-  const uint8_t* code_from[2];
-  bool code_ok[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int piece = tid + i * kThreads, tile = n0 / 16 + piece / 64;
-    code_ok[i] = tile < tiles;
-    code_from[i] = a.pairs + (code_ok[i] ? tile : 0) * a.stride_p + (piece % 64) * 16;
-  }
-  const int srow = n0 + (tid & (kRows - 1));
-  const bool scale_ok = tid < kRows && srow < a.n;
-  const uint8_t* scale_from = a.scale + (scale_ok ? srow : 0) * a.stride_s;
+  // What this thread copies each quad: two 16-byte pieces of the codes, one row's 8 scale
+  // bytes (threads < 128), and BM / 16 pieces of x: piece c of tokens tok0 + 16i. Rows past
+  // N and tokens past M copy the last ones again: their sums land in rows and tokens that
+  // are never stored. The 128-byte swizzle puts piece c of token tok at 16 (c % 8 ^ tok % 8)
+  // in its row of half c / 8, so a quarter warp (one token's eight pieces of a half) writes
+  // a whole 128-byte row, conflict-free. The units go in order: the sources are aimed at a
+  // tile and step a quad a copy (address arithmetic was most of a unit's instructions).
+  const int tiles16 = (a.n + 15) / 16;
   const int c = tid & 15, tok0 = tid >> 4;
   const int x_to = (c >> 3) * (BM * 128) + tok0 * 128 + (((c & 7) ^ (tok0 & 7)) << 4);
-  const uint16_t* x_from = a.x + static_cast<long long>(m0 + tok0) * a.stride_xm + c * 8;
-  auto load = [&](int slot, int q) {
+  const uint8_t* code_from[2];
+  const uint8_t* scale_from;
+  const uint16_t* x_from;
+  uint32_t x_row[BM / 16];  // offsets of the tokens' rows from x_from (x < 2^31 elements)
+  int load_tile = static_cast<int>(begin / a.quads), load_q = static_cast<int>(begin % a.quads);
+  auto aim = [&](int tile, int q) {
+    const int nb = tile / a.tiles_m, m0 = (tile - nb * a.tiles_m) * BM;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int piece = tid + i * kThreads;
+      const int strip = min(nb * (kRows / 16) + piece / 64, tiles16 - 1);
+      code_from[i] = a.pairs + strip * a.stride_p + (piece % 64) * 16 + 1024ll * q;
+    }
+    scale_from = a.scale + min(nb * kRows + tid, a.n - 1) * a.stride_s + 8ll * q;
+    x_from = a.x + 128ll * q + c * 8;
+#pragma unroll
+    for (int i = 0; i < BM / 16; ++i)
+      x_row[i] = static_cast<uint32_t>(min(m0 + tok0 + 16 * i, a.m - 1) * a.stride_xm);
+  };
+  aim(load_tile, load_q);
+  auto load = [&](int slot) {
     uint8_t* s = smem + slot * STAGE;
 #pragma unroll
     for (int i = 0; i < 2; ++i)
-      copy_async(reinterpret_cast<uint4*>(s + (tid + i * kThreads) * 16),
-                 code_from[i] + (code_ok[i] ? 1024ll * q : 0), code_ok[i]);
-    if (tid < kRows)
-      copy_async8(s + kScalesAt + tid * 8, scale_from + (scale_ok ? 8ll * q : 0), scale_ok);
+      copy_async(reinterpret_cast<uint4*>(s + (tid + i * kThreads) * 16), code_from[i], true);
+    if (tid < kRows) copy_async8(s + kScalesAt + tid * 8, scale_from, true);
 #pragma unroll
-    for (int i = 0; i < BM / 16; ++i) {
-      const bool ok = m0 + tok0 + 16 * i < a.m;
-      copy_async(reinterpret_cast<uint4*>(s + kXAt + x_to + 2048 * i),
-                 ok ? x_from + 16ll * i * a.stride_xm + 128ll * q : a.x, ok);
+    for (int i = 0; i < BM / 16; ++i)
+      copy_async(reinterpret_cast<uint4*>(s + kXAt + x_to + 2048 * i), x_from + x_row[i],
+                 true);
+    if (++load_q == a.quads) {
+      load_q = 0;
+      aim(++load_tile, 0);
+    } else {
+      code_from[0] += 1024;
+      code_from[1] += 1024;
+      scale_from += 8;
+      x_from += 128;
     }
   };
 
@@ -244,7 +315,7 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm<BM>())
 
 #pragma unroll
   for (int i = 0; i < S - 1; ++i) {
-    if (q_begin + i < q_end) load(i, q_begin + i);
+    if (i < count) load(i);
     asm volatile("cp.async.commit_group;");
   }
   // Warp w multiplies strip w of the block (rows 16w .. 16w + 15): warpgroup w / 4 holds
@@ -253,11 +324,11 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm<BM>())
   const int scale_at = kScalesAt + (warp * 16 + g) * 8 + 2 * t;
   const uint32_t x_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem + kXAt));
 
-  // Quad q's weight fragments from its slot: step 2 wd + h multiplies pair h of word wd's
+  // Unit i's weight fragments from its slot: step 2 wd + h multiplies pair h of word wd's
   // low group (k slots 2t, 2t + 1) and of its high group (slots 2t + 8, 2t + 9), rows g
   // and g + 8: gemm_order's columns.
-  auto decode = [&](uint32_t (&frag)[8][4], int q) {
-    const uint8_t* s = smem + ((q - q_begin) % S) * STAGE;
+  auto decode = [&](uint32_t (&frag)[8][4], int i) {
+    const uint8_t* s = smem + (i % S) * STAGE;
     uint32_t s_lo[2], s_hi[2];
     Vec4 w[2];
 #pragma unroll
@@ -281,11 +352,11 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm<BM>())
       }
     }
   };
-  // Quad q: its eight wgmmas go out; while they run, the quad before is waited for, the
-  // next quad's copy too, the slot of the quad before (done in both warpgroups after the
-  // barrier) refilled, and the next quad decoded into the other fragment registers.
-  auto step = [&](int q, const uint32_t (&frag)[8][4], uint32_t (&next)[8][4]) {
-    const uint32_t x_slot = x_base + ((q - q_begin) % S) * STAGE;
+  // Unit i: its eight wgmmas go out; while they run, the unit before is waited for, the
+  // next unit's copy too, the slot of the unit before (done in both warpgroups after the
+  // barrier) refilled, and the next unit decoded into the other fragment registers.
+  auto step = [&](int i, const uint32_t (&frag)[8][4], uint32_t (&next)[8][4]) {
+    const uint32_t x_slot = x_base + (i % S) * STAGE;
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < 8; ++k)
@@ -293,36 +364,50 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm<BM>())
           acc, frag[k], x_descriptor(x_slot + (k >> 2) * BM * 128 + (k & 3) * 32));
     wgmma_commit();
     wgmma_wait<1>();
-    if (q + 1 < q_end) {
+    if (i + 1 < count) {
       asm volatile("cp.async.wait_group %0;" ::"n"(S - 3));
       __syncthreads();
-      if (q + S - 1 < q_end) load((q - q_begin + S - 1) % S, q + S - 1);
+      if (i + S - 1 < count) load((i + S - 1) % S);
       asm volatile("cp.async.commit_group;");
-      decode(next, q + 1);
+      decode(next, i + 1);
+    }
+  };
+  // A piece's units, two at a time so that the fragments stay in registers: from the
+  // fragments `now` (decoded) to the ones its last unit decoded the next piece's first into.
+  auto piece = [&](int i, int end, uint32_t (&now)[8][4], uint32_t (&other)[8][4]) {
+    for (; i < end; i += 2) {
+      step(i, now, other);
+      if (i + 1 < end) step(i + 1, other, now);
     }
   };
 
   uint32_t frag[2][8][4];
   asm volatile("cp.async.wait_group %0;" ::"n"(S - 2));
   __syncthreads();
-  decode(frag[0], q_begin);
-  for (int q = q_begin; q < q_end; q += 2) {  // two at a time: the fragments stay in registers
-    step(q, frag[0], frag[1]);
-    if (q + 1 < q_end) step(q + 1, frag[1], frag[0]);
+  decode(frag[0], 0);
+  long long tile = begin / a.quads;
+  int q_first = static_cast<int>(begin % a.quads);
+  for (int i = 0, odd = 0; i < count; ++tile, q_first = 0) {
+    const int end = min(count, i + a.quads - q_first);
+    if (odd)
+      piece(i, end, frag[1], frag[0]);
+    else
+      piece(i, end, frag[0], frag[1]);
+    odd ^= (end - i) & 1;
+    wgmma_wait<0>();
+    // Its sums are done; it goes out through its last unit's stage (refilled only after
+    // the next unit's barrier).
+    finish_piece<BF16, BM>(a, acc, smem + ((end - 1) % S) * STAGE, tile, q_first,
+                           q_first + end - i - 1);
+#pragma unroll
+    for (int j = 0; j < BM / 2; ++j) acc[j] = 0.f;
+    i = end;
   }
-  wgmma_wait<0>();
-  __syncthreads();  // every warp is done with the stages: the output tile goes through them
-  const float factor = a.post / *a.global_scale;
-  if (a.out_f32)
-    write_tile<BF16, BM, float>(a, acc, smem, m0, n0, factor);
-  else
-    write_tile<BF16, BM, uint16_t>(a, acc, smem, m0, n0, factor);
 }
 
 template <bool BF16, int BM>
-cudaError_t launch(const GemmArgs& a, int splits, cudaStream_t stream) {
-  const dim3 grid((a.m + BM - 1) / BM, (a.n + kRows - 1) / kRows, splits);
-  nvfp4_gemm_kernel<BF16, BM><<<grid, kThreads, smem_bytes<BM>(), stream>>>(a);
+cudaError_t launch(const GemmArgs& a, cudaStream_t stream) {
+  nvfp4_gemm_kernel<BF16, BM><<<a.blocks, kThreads, smem_bytes<BM>(), stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -351,14 +436,15 @@ int qerl_nvfp4_gemm_init(int device) {
   return e;
 }
 
-// Returns a cudaError_t (0: launched). x is in gemm order, [m, quads * 128]; shapes and
-// strides are checked by the caller.
+// Returns a cudaError_t (0: launched). x is in gemm order, [m, quads * 128]; partial holds
+// blocks * bm / 2 * 256 floats, ready blocks ints, zeroed; shapes and strides are checked
+// by the caller.
 int qerl_nvfp4_gemm(int bf16, const void* x, long long stride_xm, const void* pairs,
                     long long stride_p, const void* scale, long long stride_s,
-                    const void* global_scale, const void* bias, void* out, int out_f32,
-                    long long stride_os, long long stride_om, int m, int n, int quads,
-                    int splits, int bm, int device, void* stream) {
-  if (m < 1 || n < 1 || quads < 1 || splits < 1 || (bm != 64 && bm != 128))
+                    const void* global_scale, const void* bias, void* out,
+                    long long stride_om, void* partial, void* ready, int m, int n, int quads,
+                    int bm, int blocks, int device, void* stream) {
+  if (m < 1 || n < 1 || quads < 1 || blocks < 1 || (bm != 64 && bm != 128))
     return cudaErrorInvalidValue;
   GemmArgs a{};
   a.x = static_cast<const uint16_t*>(x);
@@ -366,23 +452,26 @@ int qerl_nvfp4_gemm(int bf16, const void* x, long long stride_xm, const void* pa
   a.scale = static_cast<const uint8_t*>(scale);
   a.global_scale = static_cast<const float*>(global_scale);
   a.bias = static_cast<const uint16_t*>(bias);
-  a.out = out;
+  a.out = static_cast<uint16_t*>(out);
+  a.partial = static_cast<float*>(partial);
+  a.ready = static_cast<int*>(ready);
   a.stride_xm = stride_xm;
   a.stride_p = stride_p;
   a.stride_s = stride_s;
-  a.stride_os = stride_os;
   a.stride_om = stride_om;
   a.m = m;
   a.n = n;
   a.quads = quads;
-  a.quads_per_split = (quads + splits - 1) / splits;
-  a.out_f32 = out_f32;
+  a.tiles_m = (m + bm - 1) / bm;
+  a.units = static_cast<long long>(a.tiles_m) * ((n + kRows - 1) / kRows) * quads;
+  if (blocks > a.units) return cudaErrorInvalidValue;
+  a.blocks = blocks;
   a.post = bf16 ? 4611686018427387904.0f : 16384.0f;  // 2^62, 2^14
   const DeviceGuard guard(device);
   if (guard.error() != cudaSuccess) return guard.error();
   const auto s = static_cast<cudaStream_t>(stream);
-  if (bf16) return bm == 64 ? launch<true, 64>(a, splits, s) : launch<true, 128>(a, splits, s);
-  return bm == 64 ? launch<false, 64>(a, splits, s) : launch<false, 128>(a, splits, s);
+  if (bf16) return bm == 64 ? launch<true, 64>(a, s) : launch<true, 128>(a, s);
+  return bm == 64 ? launch<false, 64>(a, s) : launch<false, 128>(a, s);
 }
 
 const char* qerl_nvfp4_gemm_error_string(int error) {

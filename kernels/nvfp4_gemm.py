@@ -25,15 +25,25 @@ from qerl.kernels import nvfp4_layout as layout
 SOURCE = Path(__file__).with_name("nvfp4_gemm.cu")
 ARCHS = cuda_build.SOURCES[SOURCE.name]  # device architecture -> what the kernel is built for
 ROWS = 128  # weight rows a block multiplies
-MAX_SPLITS = 16
+THREADS = 256
+# The fewest (tile, quad) units a block takes: below, a block's pipeline fill and its
+# partial cost more than the SM it fills gains.
+MIN_UNITS = 8
+MAX_X_ELEMENTS = 2**31 - 1  # one launch's activations (32-bit offsets)
 
 
 @triton.jit
-def _gemm_order_kernel(x_ptr, out_ptr, M, K, stride_xm, stride_om, BLOCK_M: tl.constexpr):
+def _gemm_order_kernel(x_ptr, out_ptr, ready_ptr, M, K, stride_xm, stride_om, READY,
+                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
     """out[:, 128q + d] = x[:, 128q + src(d)] for one 128-column quad q and BLOCK_M rows
-    (nvfp4_layout.gemm_order, zeros past K): one pass, both sides touching whole sectors."""
+    (nvfp4_layout.gemm_order, zeros past K): one pass, both sides touching whole sectors.
+    The first program also zeroes the GEMM's READY flags, which would take a launch of
+    their own."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     q = tl.program_id(1)
+    r = tl.arange(0, BLOCK_R)
+    tl.store(ready_ptr + r, tl.zeros([BLOCK_R], tl.int32),
+             mask=r < tl.where(tl.program_id(0) + q == 0, READY, 0))
     d = tl.arange(0, 128)
     step = d // 16
     src = 32 * ((d // 2) % 4) + 16 * ((d // 8) % 2) + 4 * (step // 2) + 2 * (step % 2) + d % 2
@@ -45,13 +55,17 @@ def _gemm_order_kernel(x_ptr, out_ptr, M, K, stride_xm, stride_om, BLOCK_M: tl.c
              mask=row_ok)
 
 
-def gemm_order(x2: torch.Tensor, quads: int) -> torch.Tensor:
-    """nvfp4_layout.gemm_order in one kernel: x2 [M, K] -> [M, 128 * quads]."""
+def gemm_order(x2: torch.Tensor, quads: int, ready: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """nvfp4_layout.gemm_order in one kernel: x2 [M, K] -> [M, 128 * quads]; zeroes the
+    int32 tensor ``ready`` on the way."""
     m, k = x2.shape
     out = torch.empty((m, quads * layout.TILE_WEIGHTS), dtype=x2.dtype, device=x2.device)
     block_m = 16
-    _gemm_order_kernel[(triton.cdiv(m, block_m), quads)](x2, out, m, k, x2.stride(0),
-                                                         out.stride(0), BLOCK_M=block_m)
+    n_ready = 0 if ready is None else ready.numel()
+    _gemm_order_kernel[(triton.cdiv(m, block_m), quads)](
+        x2, out, out if ready is None else ready, m, k, x2.stride(0), out.stride(0), n_ready,
+        BLOCK_M=block_m, BLOCK_R=triton.next_power_of_2(max(n_ready, 1)))
     return out
 
 
@@ -61,7 +75,7 @@ def _library(arch: str) -> ctypes.CDLL:
     c = ctypes
     lib.qerl_nvfp4_gemm.argtypes = [
         c.c_int, c.c_void_p, c.c_longlong, c.c_void_p, c.c_longlong, c.c_void_p, c.c_longlong,
-        c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_longlong, c.c_longlong, c.c_int,
+        c.c_void_p, c.c_void_p, c.c_void_p, c.c_longlong, c.c_void_p, c.c_void_p, c.c_int,
         c.c_int, c.c_int, c.c_int, c.c_int, c.c_int, c.c_void_p]
     lib.qerl_nvfp4_gemm.restype = c.c_int
     return lib
@@ -98,57 +112,60 @@ def supports(k: int, scale: torch.Tensor, pairs: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class Launch:
-    """A launch's shape: tokens a block multiplies (wgmma's N: 64 or 128) and splits of K."""
+    """A launch's shape: tokens a block multiplies (wgmma's N: 64 or 128) and blocks, each
+    an equal run of the (tile, quad) units (stream-K)."""
 
     token_tile: int
-    splits: int
+    blocks: int
+
+
+def units(m: int, n: int, k: int, token_tile: int) -> int:
+    """The (tile, quad) units of an [m, k] x [n, k]^T product: tiles of 128 weight rows by
+    ``token_tile`` tokens, quads of 128 columns."""
+    return -(-m // token_tile) * -(-n // ROWS) * (k // layout.TILE_WEIGHTS)
 
 
 def launch_for(m: int, n: int, k: int, num_sms: int) -> Launch:
-    """The launch shape, as sweeps of every shape on an H100 chose it (kernels/DESIGN.md).
-    A weight of at least half a block per SM (gate_up, a large model's q/k/v) runs unsplit,
-    64 tokens a block (two blocks an SM) unless 128-token blocks pad M no further and M >
-    192. A narrower one (down, o, a small model's q/k/v) splits K so that the blocks fill
-    each SM once, 128 tokens a block above 64 rows: fp32 partials cost more than a short
-    last wave or a second block on an SM gains."""
-    quads = k // layout.TILE_WEIGHTS
-    tiles = -(-n // ROWS)
-    if 2 * tiles >= num_sms:
-        bm = 128 if m > 192 and -(-m // 128) * 128 <= -(-m // 64) * 64 else 64
-        return Launch(bm, 1)
+    """The launch shape (kernels/DESIGN.md): 64 tokens a block (two blocks an SM) up to 64
+    rows, 128 beyond; as many blocks as fit on the GPU at once, but no fewer than MIN_UNITS
+    units each."""
     bm = 64 if m <= 64 else 128
-    splits = min(MAX_SPLITS, max(1, quads // 4), max(1, num_sms // (tiles * -(-m // bm))))
-    return Launch(bm, nonempty_splits(splits, quads))
+    per_sm = 2 if bm == 64 else 1
+    work = units(m, n, k, bm)
+    return Launch(bm, max(1, min(num_sms * per_sm, -(-work // MIN_UNITS))))
 
 
-def nonempty_splits(splits: int, quads: int) -> int:
-    """The splits the kernel runs: ceil(quads / splits) quads each, so none is empty."""
-    return -(-quads // -(-quads // splits))
-
-
-def partials(x2: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
-             global_scale: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
-             launch: Launch | None = None) -> torch.Tensor:
-    """x2 [M, K] (CUDA, bf16/fp16, contiguous) -> [S, M, N] split-K partial sums (fp32;
-    with S = 1 the result in x's dtype). Shapes are checked by the caller (nvfp4_matmul)."""
+def linear(x2: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
+           global_scale: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
+           launch: Launch | None = None) -> torch.Tensor:
+    """x2 [M, K] (CUDA, bf16/fp16, contiguous) -> x2 @ deq(W)^T + bias [M, N] in x's dtype.
+    Shapes are checked by the caller (nvfp4_matmul)."""
     m = x2.shape[0]
     quads = pairs.shape[1]
     if not supports(k, scale, pairs):
         raise QuantizationError(f"the Hopper NVFP4 GEMM takes {REQUIREMENT}; got K = {k}")
-    xg = gemm_order(x2, quads)
+    rows = MAX_X_ELEMENTS // (quads * layout.TILE_WEIGHTS)
+    if m > rows:  # the kernel addresses x with 32-bit offsets
+        return torch.cat([linear(x2[i:i + rows], pairs, scale, global_scale, bias, n, k,
+                                 launch) for i in range(0, m, rows)])
     launch = launch or launch_for(m, n, k, torch.cuda.get_device_properties(x2.device)
                                   .multi_processor_count)
-    splits = nonempty_splits(launch.splits, quads)
-    out = torch.empty((splits, m, n), dtype=torch.float32 if splits > 1 else x2.dtype,
-                      device=x2.device)
+    work = units(m, n, k, launch.token_tile)
+    if not 1 <= launch.blocks <= work:
+        raise QuantizationError(f"{launch} has blocks outside 1..{work} (the units)")
+    ready = torch.empty(launch.blocks, dtype=torch.int32, device=x2.device)
+    xg = gemm_order(x2, quads, ready)
+    out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    partial = torch.empty(launch.blocks * launch.token_tile // 2 * THREADS,
+                          dtype=torch.float32, device=x2.device)
     arch = ARCHS[cuda_build.arch_of(x2.device)]
     _library(arch)
     lib = cuda_build.loaded(SOURCE, arch, cuda_build.index_of(x2.device))
     error = lib.qerl_nvfp4_gemm(
         int(x2.dtype == torch.bfloat16), xg.data_ptr(), xg.stride(0), pairs.data_ptr(),
         pairs.stride(0), scale.data_ptr(), scale.stride(0), global_scale.data_ptr(),
-        None if bias is None else bias.data_ptr(), out.data_ptr(), int(splits > 1),
-        out.stride(0), out.stride(1), m, n, quads, splits, launch.token_tile,
+        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+        partial.data_ptr(), ready.data_ptr(), m, n, quads, launch.token_tile, launch.blocks,
         cuda_build.index_of(x2.device), torch.cuda.current_stream(x2.device).cuda_stream)
     if error:
         raise QuantizationError(f"the Hopper NVFP4 GEMM failed to launch: "

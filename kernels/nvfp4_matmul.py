@@ -505,15 +505,16 @@ def nvfp4_linear(x: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
         return x.new_empty((*x.shape[:-1], n))
     path = _checked_path(path, lambda: forward_path(x2, pairs, scale), x2, scale, pairs,
                          FORWARD_PATHS)
-    if path == "dequant":  # compute-bound: decode W once, then the BF16 GEMM
-        w = dequantize(pairs, scale, global_scale, x.dtype)
-        y = torch.nn.functional.linear(x2, w, bias)
+    if path in ("dequant", "gemm"):
+        if path == "gemm":
+            y = gemm.linear(x2, pairs, scale, global_scale, bias, n, k)
+        else:  # compute-bound: decode W once, then the BF16 GEMM
+            y = torch.nn.functional.linear(x2, dequantize(pairs, scale, global_scale, x.dtype),
+                                           bias)
         # Not even a same-shape view for 2-D x: a LoRA layer adds its adapter to it in place.
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
     if path == "cuda":
         partials = gemv.partials(x2, pairs, scale, global_scale, bias, n, k)
-    elif path == "gemm":
-        partials = gemm.partials(x2, pairs, scale, global_scale, bias, n, k)
     else:
         partials = _fused("fwd", x2, n, k, pairs, scale, global_scale, bias)
     return _reduced(partials, x.dtype).reshape(*x.shape[:-1], n)

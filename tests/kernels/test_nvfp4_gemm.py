@@ -11,6 +11,7 @@ import torch
 
 from qerl.errors import QuantizationError
 from qerl.formats import nvfp4
+from qerl.kernels import crossovers
 from qerl.kernels import nvfp4_gemm as gemm
 from qerl.kernels import nvfp4_layout as layout
 from qerl.kernels import nvfp4_matmul as km
@@ -36,23 +37,32 @@ def test_gemm_order_is_the_k_order_of_the_weight_fragments():
 @pytest.mark.skipif(not (torch.cuda.is_available() or km.interpreting()),
                     reason="no GPU and no interpreter")
 @pytest.mark.parametrize(("m", "k"), [(1, 128), (5, 384), (33, 200), (17, 130)])
-def test_the_copy_kernel_orders_and_pads_as_the_definition(m, k):
+def test_the_copy_kernel_orders_and_pads_as_the_definition_and_zeroes_the_flags(m, k):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(fresh_seed())).to(dev)
     x = x.to(torch.bfloat16)
     quads = -(-k // 128)
-    assert torch.equal(gemm.gemm_order(x, quads), layout.gemm_order(x, quads))
+    ready = torch.full((300,), 7, dtype=torch.int32, device=dev)
+    assert torch.equal(gemm.gemm_order(x, quads, ready), layout.gemm_order(x, quads))
+    assert not ready.any()  # the GEMM's flags, zeroed on the way
 
 
 @pytest.mark.parametrize("m", [33, 64, 65, 128, 300, 8192])
 @pytest.mark.parametrize(("n", "k"), [(37888, 3584), (3584, 18944), (200, 384)])
-def test_launch_shapes_cover_the_rows_and_leave_no_split_empty(m, n, k):
+def test_launch_shapes_fill_the_gpu_with_no_block_idle(m, n, k):
     launch = gemm.launch_for(m, n, k, 132)
-    quads = k // 128
     assert launch.token_tile in (64, 128) and (m > 64 or launch.token_tile == 64)
-    assert 1 <= launch.splits <= min(gemm.MAX_SPLITS, quads)
-    per = -(-quads // launch.splits)
-    assert (launch.splits - 1) * per < quads  # the last split has quads to multiply
+    work = gemm.units(m, n, k, launch.token_tile)
+    slots = 132 * (2 if launch.token_tile == 64 else 1)
+    assert 1 <= launch.blocks <= min(slots, work)
+    assert launch.blocks == slots or work < gemm.MIN_UNITS * (launch.blocks + 1)
+
+
+def test_a_launch_with_more_blocks_than_units_is_refused():
+    q = nvfp4.quantize(torch.randn(32, 128) * 0.05)
+    with pytest.raises(QuantizationError, match="blocks outside 1..1"):
+        gemm.linear(torch.zeros(40, 128, dtype=torch.bfloat16), layout.to_pairs(q.packed),
+                    q.scale, q.global_scale, None, 32, 128, launch=gemm.Launch(64, 2))
 
 
 def test_only_whole_aligned_quads_of_k_are_supported():
@@ -90,9 +100,9 @@ def _weight(n: int, k: int, seed: int):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("n", "k"), [(200, 384), (520, 640), (4608, 3584)])
 def test_every_instance_matches_float64(poisoned, dtype, n, k):
-    """Each launch shape (tokens a block, splits) on rows that fill no tile
-    (1, 33, 65, 130, 300) and odd N: within the output's rounding of float64 (fp32
-    partials: to fp32 sums)."""
+    """Each token tile with blocks that each take whole tiles, pieces of one (a tile summed
+    from up to all of them), and both, on rows that fill no tile (1, 33, 65, 130, 300) and
+    odd N: within the output's rounding of float64, and bit for bit again."""
     seed = fresh_seed()
     q, w = _weight(n, k, seed)
     w64 = nvfp4.dequantize(q, torch.float64)
@@ -101,29 +111,31 @@ def test_every_instance_matches_float64(poisoned, dtype, n, k):
         x = torch.randn(m, k, generator=gen).to(dtype).cuda()
         bias = torch.randn(n, generator=gen).to(dtype).cuda()
         ref = x.double() @ w64.T + bias.double()
-        for bm, splits in itertools.product((64, 128), (1, 3)):
-            launch = gemm.Launch(bm, splits)
-            p = gemm.partials(x, *w, bias, n, k, launch=launch)
-            got = p.sum(0) if p.shape[0] > 1 else p[0]
-            err = ((got.double() - ref).norm() / ref.norm()).item()
-            tol = 1e-5 if p.shape[0] > 1 else (4e-3 if dtype == torch.bfloat16 else 6e-4)
-            assert err < tol, f"m={m} {launch}, seed {seed}: {err:.2e}"
-            again = gemm.partials(x, *w, bias, n, k, launch=launch)
-            assert torch.equal(p, again), f"not deterministic: m={m} {launch}, seed {seed}"
+        for bm in (64, 128):
+            work = gemm.units(m, n, k, bm)
+            for blocks in sorted({1, 2, 3, min(work, 7), min(work, 132), work}):
+                launch = gemm.Launch(bm, blocks)
+                got = gemm.linear(x, *w, bias, n, k, launch=launch)
+                err = ((got.double() - ref).norm() / ref.norm()).item()
+                tol = 4e-3 if dtype == torch.bfloat16 else 6e-4
+                assert err < tol, f"m={m} {launch}, seed {seed}: {err:.2e}"
+                again = gemm.linear(x, *w, bias, n, k, launch=launch)
+                assert torch.equal(got, again), f"not deterministic: m={m} {launch}, seed {seed}"
 
 
 @pytest.mark.gpu
 @HOPPER
-def test_nvfp4_linear_takes_the_gemm_where_it_wins(poisoned):
+def test_nvfp4_linear_takes_the_gemm_up_to_its_crossover(poisoned):
     seed = fresh_seed()
     n, k = 37888, 3584
     q, w = _weight(n, k, seed)
-    x = torch.randn(96, k, generator=torch.Generator().manual_seed(seed)).to(
+    most = crossovers.gemm_max_m(torch.cuda.get_device_name(), n, k)
+    assert most > crossovers.FROM_M, "the GEMM wins somewhere on every measured card"
+    x = torch.randn(most + 1, k, generator=torch.Generator().manual_seed(seed)).to(
         torch.bfloat16).cuda()
-    assert km.forward_path(x, *w[:2]) == "gemm"
-    ref = x.double() @ nvfp4.dequantize(q, torch.float64).T
-    got = km.nvfp4_linear(x, *w)
+    assert km.forward_path(x[:most], *w[:2]) == "gemm"
+    assert km.forward_path(x, *w[:2]) == "dequant"
+    ref = x[:most].double() @ nvfp4.dequantize(q, torch.float64).T
+    got = km.nvfp4_linear(x[:most], *w)
     assert ((got.double() - ref).norm() / ref.norm()).item() < 4e-3, f"seed {seed}"
-    small = (w[0][:4], w[1][:64])  # 64 rows of W
-    assert km.forward_path(torch.cat([x] * 2), *small) == "dequant"  # 192 rows
-    assert km.forward_path(torch.cat([x] * 7), *w[:2]) == "dequant"  # 672 rows
+
