@@ -3,7 +3,8 @@ training reward (math-verify), and report avg@k, pass@1 and pass@k.
 
     out_dir/
       settings.json     what was sampled and how (a resumed run must match it)
-      <bench>.jsonl     one line per (problem, sample): prompt, completion, extracted
+      <bench>.jsonl     one line per (problem, sample): the problem's position (id) and
+                        the dataset's own id (source_id), prompt, completion, extracted
                         answer, gold answer, score — appended batch by batch, so a killed
                         run resumes where it stopped
       summary.json/csv  per benchmark: problems, samples, avg@k, pass@1, pass@k, with the
@@ -111,7 +112,8 @@ def evaluate_bench(name: str, task, policy, tokenizer, out_dir: Path,
             for (i, s), tokens in zip(chunk, out.tokens, strict=True):
                 completion = tokenizer.decode(tokens, skip_special_tokens=True)
                 extracted = parse_answer(completion)
-                batch.append({"id": i, "sample": s, "prompt": texts[i],
+                batch.append({"id": i, "source_id": task[i]["source_id"], "sample": s,
+                              "prompt": texts[i],
                               "completion": completion,
                               "extracted": str(extracted[-1]) if extracted else None,
                               "answer": task[i]["answer"],

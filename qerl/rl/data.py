@@ -45,6 +45,7 @@ HUB = {
     "amc23": HubTask("math-ai/amc23", split="test"),
 }
 TASKS = (*HUB, "arithmetic")
+ID_COLUMNS = ("id", "unique_id", "problem_id", "ID")  # the schemas' own problem ids
 
 
 def final_answer(answer) -> str:
@@ -75,6 +76,11 @@ def question_and_answer(row: dict, fields: dict[str, str] | None = None
     return None
 
 
+def source_id(row: dict, index: int) -> str:
+    """A row's own id (AIME's ``id``, MATH-500's ``unique_id``, ...), else its position."""
+    return str(next((row[c] for c in ID_COLUMNS if row.get(c) not in (None, "")), index))
+
+
 def _rows(name: str, path: str | Path | None, split: str):
     import datasets
 
@@ -96,9 +102,10 @@ def _rows(name: str, path: str | Path | None, split: str):
 def load_task(name: str, path: str | Path | None = None, split: str | None = "train",
               limit: int | None = None, level: int = 1, size: int = 1024, seed: int = 0,
               fields: dict[str, str] | None = None):
-    """The task as a datasets.Dataset with columns ``prompt`` (a user message) and
-    ``answer``; ``limit`` keeps the first rows; ``split`` None is the task's evaluation
-    split; ``fields`` maps a local file's columns ({"question": ..., "answer": ...})."""
+    """The task as a datasets.Dataset with columns ``prompt`` (a user message), ``answer``
+    and ``source_id`` (the row's own id, else its position); ``limit`` keeps the first
+    rows; ``split`` None is the task's evaluation split; ``fields`` maps a local file's
+    columns ({"question": ..., "answer": ...})."""
     import datasets
 
     if name not in TASKS:
@@ -107,6 +114,7 @@ def load_task(name: str, path: str | Path | None = None, split: str | None = "tr
         raise DataError(f"fields maps 'question' and 'answer' to columns, got {fields}")
     if name == "arithmetic":
         pairs = arithmetic_problems(level, size, seed)
+        ids = [str(i) for i in range(len(pairs))]
     else:
         rows = _rows(name, path, split or HUB[name].split)
         if fields is not None and rows.column_names and not set(fields.values()) <= set(
@@ -114,15 +122,18 @@ def load_task(name: str, path: str | Path | None = None, split: str | None = "tr
             missing = sorted(set(fields.values()) - set(rows.column_names))
             raise DataError(f"{path or name}: no column(s) {missing}; it has "
                             f"{rows.column_names}")
-        pairs = [qa for qa in (question_and_answer(r, fields) for r in rows) if qa]
+        usable = [(qa, source_id(r, i)) for i, r in enumerate(rows)
+                  if (qa := question_and_answer(r, fields))]
+        pairs, ids = [qa for qa, _ in usable], [i for _, i in usable]
     if limit is not None:
-        pairs = pairs[:limit]
+        pairs, ids = pairs[:limit], ids[:limit]
     if not pairs:
         raise DataError(f"task {name} ({path or 'hub'}) has no usable rows (each needs a "
                         "question/problem and a final answer)")
     return datasets.Dataset.from_dict({
         "prompt": [[{"role": "user", "content": f"{q}\n{INSTRUCTION}"}] for q, _ in pairs],
         "answer": [a for _, a in pairs],
+        "source_id": ids,
     })
 
 

@@ -20,6 +20,9 @@ from collections.abc import Callable
 from qerl.errors import QerlError
 
 HASHES = re.compile(r"####\s*([^\n]+)")
+# A gold integer stored as a float ("27.0", AMC23's schema): graded as the integer, which
+# math-verify matches in more forms (\text{27}, \mathbf{27}, 27\%).
+INTEGER_FLOAT = re.compile(r"\s*([+-]?\d+)\.0*\s*")
 BOXED = re.compile(r"\\boxed\s*\{|\\fbox\s*\{")
 
 
@@ -53,10 +56,13 @@ def parse_answer(text: str) -> list:
 
 
 def parse_gold(answer: str) -> list:
-    """The gold answer (a bare final answer such as ``72`` or ``\\frac{1}{2}``)."""
+    """The gold answer (a bare final answer such as ``72`` or ``\\frac{1}{2}``; an integer
+    written as a float, ``27.0``, as the integer)."""
     from math_verify import parse
 
-    gold = parse("\\boxed{" + str(answer).strip() + "}")
+    integer = INTEGER_FLOAT.fullmatch(str(answer))
+    text = integer.group(1) if integer else str(answer).strip()
+    gold = parse("\\boxed{" + text + "}")
     if not gold:
         raise RewardError(f"the gold answer {answer!r} does not parse")
     return gold

@@ -44,6 +44,7 @@ def test_eval_writes_every_sample_and_resumes_where_it_stopped(chat_model, tmp_p
     assert sorted((r["id"], r["sample"]) for r in records) == [(i, s) for i in range(3)
                                                                for s in range(2)]
     assert {"prompt", "completion", "extracted", "answer", "score"} <= set(records[0])
+    assert records[0]["source_id"] == "0"  # GSM8K has no id of its own: its position
     assert records[0]["answer"] == "18" and rows[0]["problems"] == 3
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary[0]["bench"] == "gsm8k" and "pass@2" in summary[0]

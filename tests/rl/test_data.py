@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from qerl.rl.data import INSTRUCTION, DataError, arithmetic_problems, load_task
@@ -22,6 +24,18 @@ def test_local_files_load_as_conversational_prompts(name, file, rows, first):
     assert message[0]["content"].endswith(INSTRUCTION)
     assert len(load_task(name, path=DATA / file, limit=7)) == 7
 
+
+
+def test_rows_keep_their_own_id_else_their_position(tmp_path):
+    math500 = load_task("math500", path=DATA / "math500_test.jsonl", limit=2)
+    assert math500["source_id"] == ["test/precalculus/807.json",
+                                    "test/intermediate_algebra/1994.json"]
+    file = tmp_path / "aime.jsonl"
+    rows = [{"id": 60, "problem": "p", "answer": "1"}, {"problem": "no answer"},
+            {"problem": "q", "answer": "2"}]
+    file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert load_task("aime24", path=file)["source_id"] == ["60", "2"]
+    assert load_task("arithmetic", size=3)["source_id"] == ["0", "1", "2"]
 
 def test_bad_sources_are_refused_with_their_cause(tmp_path):
     with pytest.raises(DataError, match="does not exist"):

@@ -70,3 +70,13 @@ def test_checked_names_the_reward_that_returned_nan():
     with pytest.raises(RewardError, match="3 completions"):
         checked(broken)(["a", "b", "c"])
     assert checked(accuracy_reward)(["\\boxed{2}"], answer=["2"]) == [1.0]
+
+
+@pytest.mark.parametrize("completion", [r"\boxed{\text{27}}", r"\boxed{\mathbf{27}}",
+                                        r"\boxed{27\%}", r"\boxed{27}", r"\boxed{27.0}",
+                                        "#### 27", r"\boxed{28}"])
+def test_an_integer_gold_stored_as_a_float_grades_as_the_integer(completion):
+    """AMC23 stores 27 as "27.0": every completion scores as against "27"."""
+    expected = accuracy_reward([completion], ["27"])
+    assert accuracy_reward([completion] * 3, ["27.0", " 27.00 ", "+27."]) == expected * 3
+    assert accuracy_reward([r"\boxed{27}"], ["27.5"]) == [0.0]  # not an integer
