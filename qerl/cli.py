@@ -205,12 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
     _adapter_args(e)
     e.add_argument("--bench", default=",".join(BENCHES),
                    help="comma-separated: gsm8k, math500, aime24, aime25, amc23, or "
-                        "arithmetic-1..5 (the procedural task's held-out draw)")
+                        "arithmetic-1..5 (the procedural task's held-out draw); default: "
+                        f"{','.join(BENCHES)}")
     e.add_argument("--data", action="append", default=[], metavar="BENCH=FILE",
                    help="a local file for a benchmark (repeatable)")
     e.add_argument("--fields", help="its columns, e.g. question=problem,answer=solution")
     _settings_args(e, EvalSettings)
-    e.add_argument("--limit", type=int, help="only the first N problems of each benchmark")
+    e.add_argument("--limit", type=int, help="only the first N problems of each benchmark; "
+                                             "default: all of them")
     e.add_argument("--tokenizer", help="tokenizer directory or hub id, if not the model's")
     e.add_argument("--device", help="default: cuda if available, else cpu")
     e.add_argument("--out", required=True, help="output directory")

@@ -46,6 +46,9 @@ HUB = {
 }
 TASKS = (*HUB, "arithmetic")
 ID_COLUMNS = ("id", "unique_id", "problem_id", "ID")  # the schemas' own problem ids
+# Copies in the repository, for machines without the hub (provenance: tests/data/README.md).
+LOCAL_FILES = ("tests/data/gsm8k_test.jsonl", "tests/data/math500_test.jsonl",
+               "tests/data/gsm8k_train_head200.jsonl", "tests/data/dapo_math_17k_head200.jsonl")
 
 
 def final_answer(answer) -> str:
@@ -96,7 +99,13 @@ def _rows(name: str, path: str | Path | None, split: str):
         except Exception as e:  # datasets raises many types for unreadable files
             raise DataError(f"cannot read dataset file {path}: {e}") from e
     hub = HUB[name]
-    return datasets.load_dataset(hub.repo, hub.config, split=split)
+    try:
+        return datasets.load_dataset(hub.repo, hub.config, split=split)
+    except Exception as e:  # unreachable hub, offline mode, missing split, ...
+        raise DataError(
+            f"cannot load {hub.repo} from the Hugging Face Hub ({type(e).__name__}: {e}). "
+            f"Offline, give a local copy: `qerl eval --data {name}=FILE` or `data.path` in "
+            f"a training config; this repository has {', '.join(LOCAL_FILES)}") from e
 
 
 def load_task(name: str, path: str | Path | None = None, split: str | None = "train",

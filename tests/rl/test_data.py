@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from qerl.rl.data import INSTRUCTION, DataError, arithmetic_problems, load_task
+from qerl.rl.data import INSTRUCTION, LOCAL_FILES, DataError, arithmetic_problems, load_task
 from tests.rl.test_rewards import DATA
 
 
@@ -36,6 +36,19 @@ def test_rows_keep_their_own_id_else_their_position(tmp_path):
     file.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert load_task("aime24", path=file)["source_id"] == ["60", "2"]
     assert load_task("arithmetic", size=3)["source_id"] == ["0", "1", "2"]
+
+
+def test_an_unreachable_hub_names_the_local_way(monkeypatch):
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DataError, match=r"--data gsm8k=FILE.*tests/data/gsm8k_test.jsonl"):
+        load_task("gsm8k", split="test")
+    for file in LOCAL_FILES:
+        assert (DATA.parent.parent / file).is_file(), file
 
 def test_bad_sources_are_refused_with_their_cause(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
