@@ -20,7 +20,7 @@ from qerl.archs import PROJECTIONS
 from qerl.methods import Method
 from qerl.noise import AQNSettings
 from qerl.settings import ConfigError as ConfigError  # where callers have found it
-from qerl.settings import Settings, describe
+from qerl.settings import Settings, describe, describe_errors
 
 
 class LoraSettings(Settings):
@@ -149,7 +149,33 @@ def load_config(path: str | Path, overrides: dict | None = None) -> TrainConfig:
         raise ConfigError(f"{path} is not valid YAML: {e}") from e
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of settings, not {type(raw).__name__}")
-    return parse_config(_merge(raw, overrides or {}), where=str(path))
+    overrides = overrides or {}
+    try:
+        return TrainConfig.model_validate(_merge(raw, overrides))
+    except ValidationError as e:
+        # A problem on the way to, at or under a key that --set gave is the flag's.
+        paths = list(_leaf_paths(overrides))
+        given = [err for err in e.errors() if any(_related(tuple(map(str, err["loc"])), p)
+                                                   for p in paths)]
+        parts = [f"--set {describe_errors(given)}"] if given else []
+        rest = [err for err in e.errors() if err not in given]
+        if rest:
+            parts.append(f"{path}: {describe_errors(rest)}")
+        raise ConfigError("; ".join(parts)) from None
+
+
+def _related(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    """Whether one key path leads to the other."""
+    n = min(len(a), len(b))
+    return a[:n] == b[:n]
+
+
+def _leaf_paths(tree: dict, prefix: tuple[str, ...] = ()):
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            yield from _leaf_paths(value, (*prefix, str(key)))
+        else:
+            yield (*prefix, str(key))
 
 
 def parse_config(raw: dict, where: str = "config") -> TrainConfig:

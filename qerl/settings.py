@@ -18,11 +18,16 @@ class ConfigError(QerlError):
 
 def describe(error: ValidationError) -> str:
     """Each problem as ``key.path: message (got value)``."""
+    return describe_errors(error.errors())
+
+
+def describe_errors(errors: list[dict]) -> str:
+    """``describe`` of some of a ValidationError's ``errors()``."""
     return "; ".join(
         f"{'.'.join(map(str, err['loc'])) or '(top level)'}: {err['msg']}"
         + (f" (got {err['input']!r})" if err["type"] != "missing"
            and not isinstance(err["input"], dict) else "")
-        for err in error.errors())
+        for err in errors)
 
 
 class Settings(BaseModel):

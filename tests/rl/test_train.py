@@ -226,6 +226,17 @@ def test_shipped_configs_are_valid():
         load_config(path)
 
 
+
+def test_a_bad_override_is_blamed_on_the_flag_and_the_file_keeps_its_own(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("model: m\noutput_dir: out\ndata: {task: gsm8k}\ntrain: {max_steps: 0}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(config, {"train": {"max_stepz": 3}, "trian": {"seed": 1}})
+    message = str(caught.value)
+    assert message.startswith("--set train.max_stepz: Extra inputs")
+    assert "trian: Extra inputs" in message.split(f"{config}:")[0]
+    assert message.split(f"{config}: ")[1].startswith("train.max_steps: Input should be")
+
 def test_prompts_over_the_limit_are_left_out(chat_model, tmp_path):
     from qerl.rl.data import load_task
     from qerl.rl.run import fitting_prompts
