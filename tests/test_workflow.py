@@ -5,6 +5,7 @@ the lint finds nothing but what we chose to accept."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -72,6 +73,12 @@ def test_one_target_reruns_alone():
                                                     "total"}
 
 
+
+def test_the_smoke_run_asks_for_memory_a_small_machine_has():
+    done = snakemake("-n", "--forceall")
+    asked = [int(m) for m in re.findall(r"mem_mb=(\d+)", done.stdout + done.stderr)]
+    assert asked and max(asked) <= 4000  # CI's machine has 24 GiB
+
 @pytest.mark.parametrize("change, message", [
     (lambda c: c.pop("models"), "'models' is a required property"),
     (lambda c: c.update(device="tpu"), "'tpu' is not one of"),
@@ -86,6 +93,7 @@ def test_bad_configurations_fail_before_any_job(tmp_path, change, message):
     done = snakemake("-n", config=bad, tmp=tmp_path)
     assert done.returncode != 0
     assert message in done.stdout + done.stderr
+    assert "$schema" not in done.stdout + done.stderr  # the problem, not the schema
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU is visible")

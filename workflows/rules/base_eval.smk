@@ -49,7 +49,7 @@ rule lm_eval_gsm8k:
         batch=BASE_EVAL.get("batch_size", "auto"),
         limit=f"--limit {BASE_EVAL['limit']}" if BASE_EVAL.get("limit") else "",
         device=DEVICE,
-    resources: gpu=USES_GPU, mem_mb=32000
+    resources: gpu=USES_GPU, mem_mb=MEM_MB["medium"]
     shell:
         "{params.on_gpu}{params.bin}/lm_eval run --model hf "
         "--model_args pretrained={params.model},dtype=bfloat16 --device {params.device} "
@@ -80,7 +80,7 @@ rule lighteval_math:
         max_tokens=BASE_EVAL.get("max_tokens", 32768),
         data=f"{WORK}/eval/lighteval-data",
         device=DEVICE,
-    resources: gpu=USES_GPU, mem_mb=32000
+    resources: gpu=USES_GPU, mem_mb=MEM_MB["medium"]
     shell:
         "{params.on_gpu}env QERL_LIGHTEVAL_DATA={params.data} "
         "QERL_LIGHTEVAL_MAX_TOKENS={params.max_tokens} {params.bin}/lighteval accelerate "

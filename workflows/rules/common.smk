@@ -4,10 +4,26 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import jsonschema
+import yaml
 from snakemake.exceptions import WorkflowError
-from snakemake.utils import validate
 
-validate(config, "../schemas/config.schema.yaml")
+SCHEMA = "workflows/schemas/config.schema.yaml"
+
+
+def _validate(config):
+    """The configuration against its schema, a line per problem (key path: what is wrong),
+    where Snakemake's own validate prints the whole schema."""
+    schema = yaml.safe_load(Path(workflow.basedir, SCHEMA).read_text())
+    problems = sorted(jsonschema.Draft202012Validator(schema).iter_errors(config),
+                      key=lambda e: list(map(str, e.absolute_path)))
+    if problems:
+        lines = (f"  {'.'.join(map(str, e.absolute_path)) or '(top level)'}: {e.message}"
+                 for e in problems)
+        raise WorkflowError(f"the configuration does not fit {SCHEMA}:\n" + "\n".join(lines))
+
+
+_validate(config)
 
 WORK = config["work_dir"]  # intermediate files: models, runs (checkpoints), tool outputs
 RESULTS = config["results_dir"]  # what the report reads
@@ -16,6 +32,11 @@ MODELS = config["models"]  # name -> directory, hub id, .gguf, packaged GGUF nam
 DATA = config.get("data", {})  # benchmark or task -> local file (else the hub)
 PACKAGED_GGUF = {"smollm2-135m-instruct"}
 USES_GPU = int(DEVICE == "cuda")
+# What a job asks for (Snakemake's mem_mb) by its weight: a model's quantization, training,
+# evaluation or benchmark (large), its science or side-tool runs (medium), the rest (small).
+# A configuration of small models says less (job_memory_mb), so that the requests fit the
+# machine it runs on.
+MEM_MB = {"large": 64000, "medium": 32000, "small": 16000, **config.get("job_memory_mb", {})}
 # GPU jobs take a GPU no other job holds (Snakemake counts GPUs but does not assign them).
 ON_GPU = f"python workflows/scripts/gpu_slot.py {WORK}/gpu-locks -- " if USES_GPU else ""
 
@@ -133,5 +154,5 @@ rule export_bf16:
     output: directory(f"{WORK}/models/{{model}}/bf16")
     params: source=export_args, device=DEVICE, on_gpu=ON_GPU
     log: f"{WORK}/logs/export_bf16/{{model}}.log"
-    resources: mem_mb=16000, gpu=USES_GPU
+    resources: mem_mb=MEM_MB["small"], gpu=USES_GPU
     shell: "{params.on_gpu}qerl export {params.source} --device {params.device} --out {output} > {log} 2>&1"

@@ -41,7 +41,7 @@ rule eval_trained:
         out=f"{WORK}/eval/{{model}}/{{recipe}}/{{method}}",
     log: f"{WORK}/logs/eval/{{model}}/{{recipe}}/{{method}}.log"
     benchmark: f"{WORK}/benchmarks/eval/{{model}}/{{recipe}}/{{method}}.tsv"
-    resources: gpu=USES_GPU, mem_mb=64000
+    resources: gpu=USES_GPU, mem_mb=MEM_MB["large"]
     shell:
         "{params.on_gpu}qerl eval {params.policy} {params.tokenizer} {params.settings} --out {params.out} "
         "> {log} 2>&1 && cp {params.out}/summary.csv $(dirname {output})/"
@@ -71,7 +71,7 @@ rule eval_base:
         out=f"{WORK}/eval/{{model}}/base/{{weights}}",
     log: f"{WORK}/logs/eval_base/{{model}}/{{weights}}.log"
     benchmark: f"{WORK}/benchmarks/eval_base/{{model}}/{{weights}}.tsv"
-    resources: gpu=USES_GPU, mem_mb=64000
+    resources: gpu=USES_GPU, mem_mb=MEM_MB["large"]
     shell:
         "{params.on_gpu}qerl eval {params.policy} {params.tokenizer} {params.settings} --out {params.out} "
         "> {log} 2>&1 && cp {params.out}/summary.csv $(dirname {output})/"

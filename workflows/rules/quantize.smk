@@ -7,7 +7,7 @@ rule quantize:
     params: model=base_model_of, device=DEVICE, on_gpu=ON_GPU
     log: f"{WORK}/logs/quantize/{{model}}.log"
     benchmark: f"{WORK}/benchmarks/quantize/{{model}}.tsv"
-    resources: gpu=USES_GPU, mem_mb=64000
+    resources: gpu=USES_GPU, mem_mb=MEM_MB["large"]
     shell:
         "{params.on_gpu}qerl quantize --model {params.model} --out {output} --device {params.device} --quiet "
         "> {log} 2>&1"

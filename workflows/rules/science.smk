@@ -58,7 +58,7 @@ rule science_train:
         run=f"{WORK}/science/{{model}}/{{variant}}/seed{{seed}}",
     log: f"{WORK}/logs/science_train/{{model}}/{{variant}}/seed{{seed}}.log"
     benchmark: f"{WORK}/benchmarks/science_train/{{model}}/{{variant}}/seed{{seed}}.tsv"
-    resources: gpu=USES_GPU, mem_mb=32000
+    resources: gpu=USES_GPU, mem_mb=MEM_MB["medium"]
     shell:
         "{params.on_gpu}qerl train --config {input.recipe} {params.sets} > {log} 2>&1 && "
         "cp {params.run}/metrics.csv {params.run}/config.yaml {params.run}/provenance.json "
@@ -84,7 +84,7 @@ rule science_held_out:
         settings=held_out_settings(),
         out=f"{WORK}/science/{{model}}/{{variant}}/seed{{seed}}/eval",
     log: f"{WORK}/logs/science_held_out/{{model}}/{{variant}}/seed{{seed}}.log"
-    resources: gpu=USES_GPU, mem_mb=32000
+    resources: gpu=USES_GPU, mem_mb=MEM_MB["medium"]
     shell:
         "{params.on_gpu}qerl eval {params.policy} {params.settings} --out {params.out} > {log} 2>&1 && "
         "cp {params.out}/summary.csv $(dirname {output})/"
@@ -99,7 +99,7 @@ rule science_entropy:
         data=f"--data {DATA['gsm8k']}" if DATA.get("gsm8k") else "",
         device=DEVICE,
     log: f"{WORK}/logs/science_entropy/{{model}}.log"
-    resources: gpu=USES_GPU, mem_mb=32000
+    resources: gpu=USES_GPU, mem_mb=MEM_MB["medium"]
     shell:
         "{params.on_gpu}qerl bench entropy --model {params.source} {params.data} {params.args} "
         "--device {params.device} --out-dir {output} > {log} 2>&1"

@@ -42,7 +42,7 @@ rule train:
         run=f"{WORK}/runs/{{model}}/{{recipe}}/{{method}}",
     log: f"{WORK}/logs/train/{{model}}/{{recipe}}/{{method}}.log"
     benchmark: f"{WORK}/benchmarks/train/{{model}}/{{recipe}}/{{method}}.tsv"
-    resources: gpu=USES_GPU, mem_mb=64000
+    resources: gpu=USES_GPU, mem_mb=MEM_MB["large"]
     shell:
         "{params.on_gpu}qerl train --config {input.recipe} {params.sets} > {log} 2>&1 && "
         "cp {params.run}/metrics.csv {params.run}/config.yaml {params.run}/provenance.json "
