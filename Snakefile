@@ -30,6 +30,10 @@ onstart:
     check_gpu()
 
 
+onsuccess:
+    say_where_results_are()
+
+
 rule all:
     input: f"{RESULTS}/tables/values.csv"
     default_target: True

@@ -1,6 +1,8 @@
 # Tables and figures of everything above, the paper's numbers beside them; with
 # report.check set, the run fails when a reproduced number drifts past its tolerance.
+import time
 REPORT = config.get("report", {})
+STARTED = time.time()
 
 
 def train_targets():
@@ -39,3 +41,16 @@ rule report:
     params: check=check_arg(), results=RESULTS
     log: f"{WORK}/logs/report.log"
     shell: "qerl report --results {params.results} {params.check} > {log} 2>&1"
+
+
+def say_where_results_are():
+    """After a run that wrote the report: where its tables and figures are, and the check's
+    verdict (a drift fails the report job, so a finished run passed it)."""
+    values = Path(RESULTS, "tables", "values.csv")
+    if not values.is_file() or values.stat().st_mtime < STARTED:
+        return  # this run made other targets
+    check = REPORT.get("check")
+    verdict = (f"every checked value is within its tolerance of {check}" if check
+               else "no expected values to check against (report.check)")
+    print(f"\nqerl: tables in {values.parent}/ (values.csv: every number), figures in "
+          f"{Path(RESULTS, 'figures')}/; {verdict}; report log: {WORK}/logs/report.log")
