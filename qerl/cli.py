@@ -121,7 +121,7 @@ def _report(args: argparse.Namespace) -> None:
     from qerl.report.run import report
 
     written = report(Path(args.results), Path(args.paper) if args.paper else None,
-                     Path(args.check) if args.check else None)
+                     Path(args.check) if args.check else None, args.note)
     print(json.dumps(written, indent=2, default=str))
 
 
@@ -256,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--check", help="expected values (key,value,tolerance): exit 2 if any "
                                    "reproduced value is missing or drifted past its tolerance, "
                                    "or a file under RESULTS is read by no table")
+    r.add_argument("--note", help="a line above every markdown table: what its values mean "
+                                  "(e.g. those of a tiny smoke model)")
     r.set_defaults(run=_report)
 
     b = verbs.add_parser("bench", help="run a benchmark; results go to results/bench/",

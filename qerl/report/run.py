@@ -23,10 +23,12 @@ def read_paper(path=PAPER) -> pd.DataFrame:
         return pd.read_csv(f)
 
 
-def report(results: Path, paper: Path | None = None, expected: Path | None = None) -> dict:
+def report(results: Path, paper: Path | None = None, expected: Path | None = None,
+           note: str | None = None) -> dict:
     """Tables and figures of everything under ``results``; with ``expected``, raise
     DriftError if a value drifted past its tolerance or a file under ``results`` is read by
-    no table. Returns what was written, and those unread files."""
+    no table; ``note`` goes above every markdown table (what its values mean). Returns
+    what was written, and those unread files."""
     if not results.is_dir():
         raise QerlError(f"no results folder at {results}")
     if paper is not None and not paper.is_file():
@@ -43,8 +45,9 @@ def report(results: Path, paper: Path | None = None, expected: Path | None = Non
         if table.empty:
             continue
         table.to_csv(tables_dir / f"{name}.csv", index=False)
-        (tables_dir / f"{name}.md").write_text(table.to_markdown(index=False, floatfmt=".4g")
-                                               + "\n")
+        heading = f"> {note}\n\n" if note else ""
+        (tables_dir / f"{name}.md").write_text(
+            heading + table.to_markdown(index=False, floatfmt=".4g") + "\n")
         written["tables"].append(name)
     for draw in FIGURES:
         written["figures"] += [p.name for p in draw(found.frames, reference, figures_dir)]

@@ -69,7 +69,7 @@ def results(tmp_path):
 
 def test_tables_put_the_papers_numbers_beside_ours(results):
     (results / "bench/notes.txt").write_text("a file of no kind the report knows")
-    written = report(results)
+    written = report(results, note="Tiny model: zeros expected.")
     assert written["unread"] == [str(results / "bench/notes.txt")]
     assert set(written["tables"]) == {"accuracy", "external", "rollout", "training",
                                       "efficiency", "science", "entropy"}
@@ -101,7 +101,8 @@ def test_tables_put_the_papers_numbers_beside_ours(results):
     training = pd.read_csv(results / "tables/training.csv").set_index("method")
     assert training.loc["qerl", "reward (last)"] == pytest.approx(0.3)
     assert training.loc["lora", "steps"] == 2
-    assert (results / "tables/accuracy.md").read_text().startswith("| model")
+    assert (results / "tables/accuracy.md").read_text().startswith(
+        "> Tiny model: zeros expected.\n\n| model")  # the note, then the table
     card = CARD.replace(" ", "_")
     assert {"curves_tiny_smoke.png", f"rollout_by_rank_{card}.png", f"step_{card}.png",
             "entropy_smol_cpu.png"} <= set(written["figures"])

@@ -1,5 +1,6 @@
 # Tables and figures of everything above, the paper's numbers beside them; with
 # report.check set, the run fails when a reproduced number drifts past its tolerance.
+import shlex
 import time
 REPORT = config.get("report", {})
 STARTED = time.time()
@@ -35,12 +36,16 @@ def check_arg():
     return f"--check {REPORT['check']}" if REPORT.get("check") else ""
 
 
+def note_arg():
+    return f"--note {shlex.quote(REPORT['note'])}" if REPORT.get("note") else ""
+
+
 rule report:
     input: train_targets(), eval_targets(), base_eval_targets(), bench_targets(), science_targets()
     output: f"{RESULTS}/tables/values.csv"
-    params: check=check_arg(), results=RESULTS
+    params: check=check_arg(), note=note_arg(), results=RESULTS
     log: f"{WORK}/logs/report.log"
-    shell: "qerl report --results {params.results} {params.check} > {log} 2>&1"
+    shell: "qerl report --results {params.results} {params.check} {params.note} > {log} 2>&1"
 
 
 def say_where_results_are():
