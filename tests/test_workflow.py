@@ -79,6 +79,19 @@ def test_the_smoke_run_asks_for_memory_a_small_machine_has():
     asked = [int(m) for m in re.findall(r"mem_mb=(\d+)", done.stdout + done.stderr)]
     assert asked and max(asked) <= 4000  # CI's machine has 24 GiB
 
+
+def test_side_environments_install_from_a_wheelhouse_without_an_index(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    done = snakemake("-n", "-p", "--forceall", ".venvs/lm-eval/bin/python",
+                     config={**config("gpu"), "wheelhouse": str(wheels)}, tmp=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"pip install --no-index --find-links {wheels} -r workflows/envs/lm-eval.txt" in (
+        done.stdout + done.stderr)
+    missing = snakemake("-n", config={**config("smoke"), "wheelhouse": str(tmp_path / "no")},
+                        tmp=tmp_path)
+    assert missing.returncode != 0 and "is not a folder" in missing.stdout + missing.stderr
+
 @pytest.mark.parametrize("change, message", [
     (lambda c: c.pop("models"), "'models' is a required property"),
     (lambda c: c.update(device="tpu"), "'tpu' is not one of"),

@@ -1,5 +1,6 @@
 # Shared by every rule file: where things go, which model is which, side environments, and
 # the checks that make a bad configuration fail before any job runs.
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -139,14 +140,26 @@ def env_python(name):
     return f"{env_bin(name)}/python"
 
 
+# Side environments install from a folder of wheels alone where there is no package index
+# (config wheelhouse; fill it where an index is reachable: pip download -r FILE -d DIR).
+WHEELHOUSE = config.get("wheelhouse")
+if WHEELHOUSE and not Path(WHEELHOUSE).expanduser().is_dir():
+    raise WorkflowError(f"wheelhouse {WHEELHOUSE} is not a folder")
+
+
+def pip_source():
+    return f"--no-index --find-links {shlex.quote(WHEELHOUSE)}" if WHEELHOUSE else ""
+
+
 rule side_env:
     """A side environment from workflows/envs/NAME.txt (every version pinned)."""
     input: "workflows/envs/{name}.txt"
     output: ".venvs/{name}/bin/python"
     log: f"{WORK}/logs/side_env/{{name}}.log"
+    params: source=pip_source()
     shell:
         "(python3 -m venv .venvs/{wildcards.name} && "
-        ".venvs/{wildcards.name}/bin/pip install -r {input}) > {log} 2>&1"
+        ".venvs/{wildcards.name}/bin/pip install {params.source} -r {input}) > {log} 2>&1"
 
 
 rule export_bf16:
