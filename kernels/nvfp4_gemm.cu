@@ -96,10 +96,9 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
-__device__ __forceinline__ void copy_async8(void* smem, const void* gmem, bool valid) {
+__device__ __forceinline__ void copy_async8(void* smem, const void* gmem) {
   const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(to), "l"(gmem),
-               "r"(valid ? 8 : 0));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(to), "l"(gmem));
 }
 
 constexpr int kThreads = 256;  // two warpgroups
@@ -293,7 +292,7 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm<BM>())
 #pragma unroll
     for (int i = 0; i < 2; ++i)
       copy_async(reinterpret_cast<uint4*>(s + (tid + i * kThreads) * 16), code_from[i], true);
-    if (tid < kRows) copy_async8(s + kScalesAt + tid * 8, scale_from, true);
+    if (tid < kRows) copy_async8(s + kScalesAt + tid * 8, scale_from);
 #pragma unroll
     for (int i = 0; i < BM / 16; ++i)
       copy_async(reinterpret_cast<uint4*>(s + kXAt + x_to + 2048 * i), x_from + x_row[i],

@@ -155,10 +155,11 @@ def load_config(path: str | Path, overrides: dict | None = None) -> TrainConfig:
     except ValidationError as e:
         # A problem on the way to, at or under a key that --set gave is the flag's.
         paths = list(_leaf_paths(overrides))
-        given = [err for err in e.errors() if any(_related(tuple(map(str, err["loc"])), p)
-                                                   for p in paths)]
+        errors = e.errors()
+        given = [err for err in errors if any(_related(tuple(map(str, err["loc"])), p)
+                                              for p in paths)]
         parts = [f"--set {describe_errors(given)}"] if given else []
-        rest = [err for err in e.errors() if err not in given]
+        rest = [err for err in errors if err not in given]
         if rest:
             parts.append(f"{path}: {describe_errors(rest)}")
         raise ConfigError("; ".join(parts)) from None

@@ -1,6 +1,5 @@
 # Tables and figures of everything above, the paper's numbers beside them; with
 # report.check set, the run fails when a reproduced number drifts past its tolerance.
-import shlex
 import time
 REPORT = config.get("report", {})
 STARTED = time.time()
