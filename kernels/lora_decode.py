@@ -14,7 +14,8 @@ forward: x is cast to the adapter's dtype, x @ A^T and its product with B^T are 
 it, times scaling, plus the base output (rounded to its dtype first), and the sum is rounded
 to the base's dtype. Only the order of each dot product's sum may differ.
 
-For a few rows (the decode step's batch): a shrink program holds all rows of one A slice.
+For the rows of a decode step (its batch, up to MAX_ROWS): a shrink program holds up to
+TILE_ROWS of them and one slice of K of one A.
 """
 
 from __future__ import annotations
@@ -28,17 +29,18 @@ import triton.language as tl
 from qerl.kernels.nvfp4_matmul import interpreting, num_sms
 from qerl.kernels.rounding import round_as
 
-MAX_ROWS = 128  # rows a shrink program holds; more -> PEFT's own forward
+MAX_ROWS = 256  # rows of a decode step the kernels take; more -> PEFT's own forward
+TILE_ROWS = 32  # rows a shrink program holds: more take registers the loads need
 MAX_RANK = 128
 MAX_SPLITS = 64  # K slices of a shrink, and base partial sums an expand adds up (unrolled)
 BLOCK_K = 64
 
 
 @triton.jit
-def _shrink_one(x_ptr, a_ptr, out_ptr, M, K, R, col, k_start, k_stop, stride_xm, stride_om,
-                BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+def _shrink_one(x_ptr, a_ptr, out_ptr, M, K, R, row0, col, k_start, k_stop, stride_xm,
+                stride_om, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                 ITERS: tl.constexpr):
-    rows = tl.arange(0, BLOCK_M)
+    rows = row0 + tl.arange(0, BLOCK_M)
     r = tl.arange(0, BLOCK_R)
     kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -59,9 +61,9 @@ def _shrink_one(x_ptr, a_ptr, out_ptr, M, K, R, col, k_start, k_stop, stride_xm,
 
 
 @triton.jit
-def _sum_member(part_ptr, out_ptr, M, R, col, stride_ps, stride_pm, stride_om,
+def _sum_member(part_ptr, out_ptr, M, R, row0, col, stride_ps, stride_pm, stride_om,
                 SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
-    rows = tl.arange(0, BLOCK_M)
+    rows = row0 + tl.arange(0, BLOCK_M)
     r = tl.arange(0, BLOCK_R)
     mask = (rows[:, None] < M) & (r[None, :] < R)
     at = rows[:, None] * stride_pm + col + r[None, :]
@@ -78,33 +80,37 @@ def lora_shrink_kernel(x_ptr, a0_ptr, a1_ptr, a2_ptr, part_ptr, out_ptr, count_p
                        per_split, stride_xm, stride_ps, stride_pm, stride_om,
                        GROUP: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr):
-    """Program (g, s): member g over slice s of K, into partials [SPLITS, M, GROUP * R];
-    the last of a member's programs to finish adds its SPLITS partials up into out
-    [M, GROUP * R] (a counter per member says which is last, and is left at 0)."""
+    """Program (g, s, t): member g over slice s of K for row tile t, into partials
+    [SPLITS, M, GROUP * R]; the last of a (member, row tile)'s programs to finish adds its
+    SPLITS partials up into out [M, GROUP * R] (a counter each says which is last, and is
+    left at 0)."""
     g = tl.program_id(0)
     s = tl.program_id(1)
+    t = tl.program_id(2)
+    row0 = t * BLOCK_M
     k_start = s * per_split
     k_stop = tl.minimum(K, k_start + per_split)
     part = part_ptr + s.to(tl.int64) * stride_ps
     # Triton cannot index a list of pointers at run time: one branch per member.
     if g == 0:
-        _shrink_one(x_ptr, a0_ptr, part, M, K, R, 0, k_start, k_stop, stride_xm, stride_pm,
+        _shrink_one(x_ptr, a0_ptr, part, M, K, R, row0, 0, k_start, k_stop, stride_xm, stride_pm,
                     BLOCK_M, BLOCK_R, BLOCK_K, ITERS)
     if GROUP > 1:  # noqa: SIM102 (constexpr tests: Triton compiles the branches away)
         if g == 1:
-            _shrink_one(x_ptr, a1_ptr, part, M, K, R, R, k_start, k_stop, stride_xm,
+            _shrink_one(x_ptr, a1_ptr, part, M, K, R, row0, R, k_start, k_stop, stride_xm,
                         stride_pm, BLOCK_M, BLOCK_R, BLOCK_K, ITERS)
     if GROUP > 2:  # noqa: SIM102
         if g == 2:
-            _shrink_one(x_ptr, a2_ptr, part, M, K, R, 2 * R, k_start, k_stop, stride_xm,
+            _shrink_one(x_ptr, a2_ptr, part, M, K, R, row0, 2 * R, k_start, k_stop, stride_xm,
                         stride_pm, BLOCK_M, BLOCK_R, BLOCK_K, ITERS)
     if SPLITS > 1:
         tl.debug_barrier()  # every thread's partials stored before the release below
-        arrived = tl.atomic_add(count_ptr + g, 1, sem="acq_rel")
+        counter = count_ptr + g * tl.num_programs(2) + t
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
         if arrived == SPLITS - 1:
-            _sum_member(part_ptr, out_ptr, M, R, g * R, stride_ps, stride_pm, stride_om,
+            _sum_member(part_ptr, out_ptr, M, R, row0, g * R, stride_ps, stride_pm, stride_om,
                         SPLITS, BLOCK_M, BLOCK_R)
-            tl.atomic_xchg(count_ptr + g, 0)
+            tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
@@ -206,10 +212,11 @@ def _rank_block(rank: int) -> int:
     return max(16, triton.next_power_of_2(rank))  # tl.dot needs 16 or more
 
 
-def _splits(k: int, group: int, device: torch.device) -> int:
-    """K slices: one program per SM in all. A program's time is the latency of its slice's
-    loads, not their bytes, so more, shorter slices finish sooner."""
-    return max(1, min(triton.cdiv(num_sms(device), group), MAX_SPLITS, triton.cdiv(k, BLOCK_K)))
+def _splits(k: int, programs: int, device: torch.device) -> int:
+    """K slices: one program per SM in all (``programs`` per slice). A program's time is the
+    latency of its slice's loads, not their bytes, so more, shorter slices finish sooner."""
+    return max(1, min(triton.cdiv(num_sms(device), programs), MAX_SPLITS,
+                      triton.cdiv(k, BLOCK_K)))
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -223,7 +230,8 @@ def _counters(device: torch.device) -> torch.Tensor:
             # memory allocated in a capture belongs to that graph's pool
             raise RuntimeError("run the LoRA decode kernels once before capturing a CUDA "
                                "graph of them")
-        _COUNTERS[device] = torch.zeros(3, dtype=torch.int32, device=device)
+        _COUNTERS[device] = torch.zeros(3 * triton.cdiv(MAX_ROWS, 16), dtype=torch.int32,
+                                        device=device)
     return _COUNTERS[device]
 
 
@@ -254,8 +262,10 @@ def lora_shrink(x: torch.Tensor, a_weights: list[torch.Tensor],
     if m > MAX_ROWS or rank > MAX_RANK or x.stride(-1) != 1:
         raise ValueError(f"the decode kernels take up to {MAX_ROWS} contiguous rows and "
                          f"rank {MAX_RANK}; got {m} rows, rank {rank}")
+    block_m = min(TILE_ROWS, max(16, triton.next_power_of_2(m)))
+    tiles = triton.cdiv(m, block_m)
     if splits is None:
-        splits = _splits(k, len(a_weights), x.device)
+        splits = _splits(k, len(a_weights) * tiles, x.device)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be 1 to {MAX_SPLITS}, got {splits}")
     per_split = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
@@ -264,10 +274,10 @@ def lora_shrink(x: torch.Tensor, a_weights: list[torch.Tensor],
     parts = out[None] if splits == 1 else torch.empty((splits, *out.shape),
                                                       dtype=torch.float32, device=x.device)
     padded = a_weights + [a_weights[0]] * (3 - len(a_weights))
-    lora_shrink_kernel[(len(a_weights), splits)](
+    lora_shrink_kernel[(len(a_weights), splits, tiles)](
         x, *padded, parts, out, _counters(x.device), m, k, rank, per_split, x.stride(0),
         parts.stride(0), parts.stride(1), out.stride(0), GROUP=len(a_weights),
-        SPLITS=splits, BLOCK_M=max(16, triton.next_power_of_2(m)),
+        SPLITS=splits, BLOCK_M=block_m,
         BLOCK_R=_rank_block(rank), BLOCK_K=BLOCK_K, ITERS=per_split // BLOCK_K,
         num_warps=_shrink_warps(rank))
     return out

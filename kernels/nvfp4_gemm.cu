@@ -136,20 +136,37 @@ __device__ __forceinline__ uint64_t x_descriptor(uint32_t at) {
          (uint64_t{1} << 62);
 }
 
-struct GemmArgs {
-  const uint16_t* x;  // [m, quads * 128], columns in gemm order (zeros past K)
+constexpr int kMembers = 3;  // weights multiplied side by side (q/k/v, gate/up)
+
+// One weight of the launch: its rows are output columns begin .. begin + n - 1.
+struct Member {
   const uint8_t* pairs;
   const uint8_t* scale;
   const float* global_scale;
   const uint16_t* bias;  // or null
-  uint16_t* out;         // [m][n], x's dtype
-  float* partial;        // [blocks][BM / 2][kThreads]: a block's first piece of a tile
-  int* ready;            // [blocks], zeros: set once the block's partial is written
-  long long stride_xm, stride_p, stride_s, stride_om;
+  long long stride_p, stride_s;
+  int begin, n;
+};
+
+struct GemmArgs {
+  const uint16_t* x;  // [m, quads * 128], columns in gemm order (zeros past K)
+  Member w[kMembers];  // every member but the last a whole number of tiles wide
+  int members;
+  uint16_t* out;   // [m][n], x's dtype: the members' outputs side by side
+  float* partial;  // [blocks][BM / 2][kThreads]: a block's first piece of a tile
+  int* ready;      // [blocks], zeros: set once the block's partial is written
+  long long stride_xm, stride_om;
   long long units;  // tiles * quads, tiles = tiles_m * ceil(n / kRows), m fastest
   int m, n, quads, tiles_m, blocks;
   float post;  // 2^62 (bf16) or 2^14 (fp16)
 };
+
+// The member whose rows the output columns from n0 are (a tile is in one member).
+__device__ __forceinline__ const Member& member_at(const GemmArgs& a, int n0) {
+  return n0 >= a.w[2].begin && a.members > 2   ? a.w[2]
+         : n0 >= a.w[1].begin && a.members > 1 ? a.w[1]
+                                               : a.w[0];
+}
 
 // The first (tile, quad) unit of block b: each block multiplies an equal run of the units
 // (stream-K), so every SM has the same work and no wave is short.
@@ -157,25 +174,28 @@ __device__ __forceinline__ long long first_unit(const GemmArgs& a, int b) {
   return a.units * b / a.blocks;
 }
 
-// The block's output tile, scaled and its bias added, through shared memory: D's fragment
+// The block's output tile (columns n0 .. of the output, rows of member w), scaled and its
+// bias added, through shared memory: D's fragment
 // (per 8 tokens j: rows g and g + 8 of the warp's strip, tokens 2t, 2t + 1) lands as
 // [token][row], padded 16 bytes a token against bank conflicts, and goes out as 16-byte
 // rows of out[token][n0 ..] instead of 2-byte scattered stores.
 template <bool BF16, int BM>
-__device__ __forceinline__ void write_tile(const GemmArgs& a, const float (&acc)[BM / 2],
-                                           uint8_t* smem, int m0, int n0) {
+__device__ __forceinline__ void write_tile(const GemmArgs& a, const Member& w,
+                                           const float (&acc)[BM / 2], uint8_t* smem, int m0,
+                                           int n0) {
   constexpr int kEl = 8, kPitch = kRows + kEl, kPieces = kRows / kEl;
   static_assert(BM * kPitch * 2 <= stage_bytes<BM>(), "the tile fits a stage");
   uint16_t* tile = reinterpret_cast<uint16_t*>(smem);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const float factor = a.post / *a.global_scale;
+  const float factor = a.post / *w.global_scale;
+  const int end = w.begin + w.n;
 #pragma unroll
   for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int row = warp * 16 + g + 8 * (e >> 1), tok = 8 * j + 2 * t + (e & 1);
       float v = acc[4 * j + e] * factor;
-      if (a.bias != nullptr && n0 + row < a.n) v += to_float<BF16>(a.bias[n0 + row]);
+      if (w.bias != nullptr && n0 + row < end) v += to_float<BF16>(w.bias[n0 + row - w.begin]);
       tile[tok * kPitch + row] = from_float<BF16>(v);
     }
   __syncthreads();
@@ -240,7 +260,7 @@ __device__ __forceinline__ void finish_piece(const GemmArgs& a, float (&acc)[BM 
   }
   __syncthreads();  // both warpgroups are done with the stage the tile goes through
   const int nb = static_cast<int>(tile / a.tiles_m), mb = static_cast<int>(tile % a.tiles_m);
-  write_tile<BF16, BM>(a, acc, smem, mb * BM, nb * kRows);
+  write_tile<BF16, BM>(a, member_at(a, nb * kRows), acc, smem, mb * BM, nb * kRows);
 }
 
 template <bool BF16, int BM>
@@ -264,7 +284,6 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm<BM>())
   // in its row of half c / 8, so a quarter warp (one token's eight pieces of a half) writes
   // a whole 128-byte row, conflict-free. The units go in order: the sources are aimed at a
   // tile and step a quad a copy (address arithmetic was most of a unit's instructions).
-  const int tiles16 = (a.n + 15) / 16;
   const int c = tid & 15, tok0 = tid >> 4;
   const int x_to = (c >> 3) * (BM * 128) + tok0 * 128 + (((c & 7) ^ (tok0 & 7)) << 4);
   const uint8_t* code_from[2];
@@ -274,13 +293,15 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm<BM>())
   int load_tile = static_cast<int>(begin / a.quads), load_q = static_cast<int>(begin % a.quads);
   auto aim = [&](int tile, int q) {
     const int nb = tile / a.tiles_m, m0 = (tile - nb * a.tiles_m) * BM;
+    const Member& w = member_at(a, nb * kRows);
+    const int row0 = nb * kRows - w.begin;  // the tile's first row of the member
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int piece = tid + i * kThreads;
-      const int strip = min(nb * (kRows / 16) + piece / 64, tiles16 - 1);
-      code_from[i] = a.pairs + strip * a.stride_p + (piece % 64) * 16 + 1024ll * q;
+      const int strip = min(row0 / 16 + piece / 64, (w.n - 1) / 16);
+      code_from[i] = w.pairs + strip * w.stride_p + (piece % 64) * 16 + 1024ll * q;
     }
-    scale_from = a.scale + min(nb * kRows + tid, a.n - 1) * a.stride_s + 8ll * q;
+    scale_from = w.scale + min(row0 + tid, w.n - 1) * w.stride_s + 8ll * q;
     x_from = a.x + 128ll * q + c * 8;
 #pragma unroll
     for (int i = 0; i < BM / 16; ++i)
@@ -435,34 +456,41 @@ int qerl_nvfp4_gemm_init(int device) {
   return e;
 }
 
-// Returns a cudaError_t (0: launched). x is in gemm order, [m, quads * 128]; partial holds
-// blocks * bm / 2 * 256 floats, ready blocks ints, zeroed; shapes and strides are checked
-// by the caller.
-int qerl_nvfp4_gemm(int bf16, const void* x, long long stride_xm, const void* pairs,
-                    long long stride_p, const void* scale, long long stride_s,
-                    const void* global_scale, const void* bias, void* out,
-                    long long stride_om, void* partial, void* ready, int m, int n, int quads,
-                    int bm, int blocks, int device, void* stream) {
-  if (m < 1 || n < 1 || quads < 1 || blocks < 1 || (bm != 64 && bm != 128))
+// Returns a cudaError_t (0: launched). x is in gemm order, [m, quads * 128]; member i of
+// `members` has pairs[i], scale[i] (row strides stride_p[i], stride_s[i]), global_scale[i],
+// bias[i] (or null) and n[i] rows, all but the last a multiple of 128; out is [m, sum n];
+// partial holds blocks * bm / 2 * 256 floats, ready blocks ints, zeroed. Shapes and
+// strides are checked by the caller.
+int qerl_nvfp4_gemm(int bf16, const void* x, long long stride_xm, int members,
+                    const void* const* pairs, const long long* stride_p,
+                    const void* const* scale, const long long* stride_s,
+                    const void* const* global_scale, const void* const* bias, const int* n,
+                    void* out, long long stride_om, void* partial, void* ready, int m,
+                    int quads, int bm, int blocks, int device, void* stream) {
+  if (m < 1 || quads < 1 || blocks < 1 || (bm != 64 && bm != 128) || members < 1 ||
+      members > kMembers)
     return cudaErrorInvalidValue;
   GemmArgs a{};
   a.x = static_cast<const uint16_t*>(x);
-  a.pairs = static_cast<const uint8_t*>(pairs);
-  a.scale = static_cast<const uint8_t*>(scale);
-  a.global_scale = static_cast<const float*>(global_scale);
-  a.bias = static_cast<const uint16_t*>(bias);
+  a.members = members;
+  int total = 0;
+  for (int i = 0; i < members; ++i) {
+    if (n[i] < 1 || (i + 1 < members && n[i] % kRows != 0)) return cudaErrorInvalidValue;
+    a.w[i] = Member{static_cast<const uint8_t*>(pairs[i]), static_cast<const uint8_t*>(scale[i]),
+                    static_cast<const float*>(global_scale[i]),
+                    static_cast<const uint16_t*>(bias[i]), stride_p[i], stride_s[i], total, n[i]};
+    total += n[i];
+  }
   a.out = static_cast<uint16_t*>(out);
   a.partial = static_cast<float*>(partial);
   a.ready = static_cast<int*>(ready);
   a.stride_xm = stride_xm;
-  a.stride_p = stride_p;
-  a.stride_s = stride_s;
   a.stride_om = stride_om;
   a.m = m;
-  a.n = n;
+  a.n = total;
   a.quads = quads;
   a.tiles_m = (m + bm - 1) / bm;
-  a.units = static_cast<long long>(a.tiles_m) * ((n + kRows - 1) / kRows) * quads;
+  a.units = static_cast<long long>(a.tiles_m) * ((total + kRows - 1) / kRows) * quads;
   if (blocks > a.units) return cudaErrorInvalidValue;
   a.blocks = blocks;
   a.post = bf16 ? 4611686018427387904.0f : 16384.0f;  // 2^62, 2^14

@@ -73,9 +73,10 @@ def gemm_order(x2: torch.Tensor, quads: int, ready: torch.Tensor | None = None
 def _library(arch: str) -> ctypes.CDLL:
     lib = cuda_build.library(SOURCE, arch)
     c = ctypes
+    pointers, longs = c.POINTER(c.c_void_p), c.POINTER(c.c_longlong)
     lib.qerl_nvfp4_gemm.argtypes = [
-        c.c_int, c.c_void_p, c.c_longlong, c.c_void_p, c.c_longlong, c.c_void_p, c.c_longlong,
-        c.c_void_p, c.c_void_p, c.c_void_p, c.c_longlong, c.c_void_p, c.c_void_p, c.c_int,
+        c.c_int, c.c_void_p, c.c_longlong, c.c_int, pointers, longs, pointers, longs, pointers,
+        pointers, c.POINTER(c.c_int), c.c_void_p, c.c_longlong, c.c_void_p, c.c_void_p,
         c.c_int, c.c_int, c.c_int, c.c_int, c.c_int, c.c_void_p]
     lib.qerl_nvfp4_gemm.restype = c.c_int
     return lib
@@ -135,19 +136,41 @@ def launch_for(m: int, n: int, k: int, num_sms: int) -> Launch:
     return Launch(bm, max(1, min(num_sms * per_sm, -(-work // MIN_UNITS))))
 
 
+MAX_MEMBERS = 3  # weights one launch multiplies side by side
+
+
+def groups(ns: list[int]) -> bool:
+    """Whether weights of these widths go through one launch, side by side: at most three,
+    every one but the last a whole number of 128-row tiles (a tile reads one weight)."""
+    return 1 <= len(ns) <= MAX_MEMBERS and all(n % ROWS == 0 for n in ns[:-1])
+
+
 def linear(x2: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
            global_scale: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
            launch: Launch | None = None) -> torch.Tensor:
     """x2 [M, K] (CUDA, bf16/fp16, contiguous) -> x2 @ deq(W)^T + bias [M, N] in x's dtype.
     Shapes are checked by the caller (nvfp4_matmul)."""
+    return linear_group(x2, [(pairs, scale, global_scale, bias)], k, launch)
+
+
+def linear_group(x2: torch.Tensor, weights: list[tuple], k: int,
+                 launch: Launch | None = None) -> torch.Tensor:
+    """``linear`` of weights (pairs, scale, global_scale, bias) that read the same x2, in
+    one launch (``groups`` of their widths): [M, sum N], their outputs side by side."""
     m = x2.shape[0]
-    quads = pairs.shape[1]
-    if not supports(k, scale, pairs):
-        raise QuantizationError(f"the Hopper NVFP4 GEMM takes {REQUIREMENT}; got K = {k}")
+    ns = [w[1].shape[0] for w in weights]
+    n = sum(ns)
+    quads = weights[0][0].shape[1]
+    if not groups(ns):
+        raise QuantizationError(f"one GEMM launch takes 1 to {MAX_MEMBERS} weights, each but "
+                                f"the last a multiple of {ROWS} rows; got {ns}")
+    for pairs, scale, *_ in weights:
+        if not supports(k, scale, pairs):
+            raise QuantizationError(f"the Hopper NVFP4 GEMM takes {REQUIREMENT}; got K = {k}")
     rows = MAX_X_ELEMENTS // (quads * layout.TILE_WEIGHTS)
     if m > rows:  # the kernel addresses x with 32-bit offsets
-        return torch.cat([linear(x2[i:i + rows], pairs, scale, global_scale, bias, n, k,
-                                 launch) for i in range(0, m, rows)])
+        return torch.cat([linear_group(x2[i:i + rows], weights, k, launch)
+                          for i in range(0, m, rows)])
     launch = launch or launch_for(m, n, k, torch.cuda.get_device_properties(x2.device)
                                   .multi_processor_count)
     work = units(m, n, k, launch.token_tile)
@@ -161,11 +184,20 @@ def linear(x2: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
     arch = ARCHS[cuda_build.arch_of(x2.device)]
     _library(arch)
     lib = cuda_build.loaded(SOURCE, arch, cuda_build.index_of(x2.device))
+
+    def array(ctype, values):
+        return (ctype * len(values))(*values)
+
     error = lib.qerl_nvfp4_gemm(
-        int(x2.dtype == torch.bfloat16), xg.data_ptr(), xg.stride(0), pairs.data_ptr(),
-        pairs.stride(0), scale.data_ptr(), scale.stride(0), global_scale.data_ptr(),
-        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-        partial.data_ptr(), ready.data_ptr(), m, n, quads, launch.token_tile, launch.blocks,
+        int(x2.dtype == torch.bfloat16), xg.data_ptr(), xg.stride(0), len(weights),
+        array(ctypes.c_void_p, [w[0].data_ptr() for w in weights]),
+        array(ctypes.c_longlong, [w[0].stride(0) for w in weights]),
+        array(ctypes.c_void_p, [w[1].data_ptr() for w in weights]),
+        array(ctypes.c_longlong, [w[1].stride(0) for w in weights]),
+        array(ctypes.c_void_p, [w[2].data_ptr() for w in weights]),
+        array(ctypes.c_void_p, [None if w[3] is None else w[3].data_ptr() for w in weights]),
+        array(ctypes.c_int, ns), out.data_ptr(), out.stride(0), partial.data_ptr(),
+        ready.data_ptr(), m, quads, launch.token_tile, launch.blocks,
         cuda_build.index_of(x2.device), torch.cuda.current_stream(x2.device).cuda_stream)
     if error:
         raise QuantizationError(f"the Hopper NVFP4 GEMM failed to launch: "

@@ -557,6 +557,21 @@ def nvfp4_linear_grouped_partials_and_shrink(
     return _columns(out, shapes), xa
 
 
+def nvfp4_linear_grouped(x2: torch.Tensor, weights: list[tuple]) -> list[torch.Tensor] | None:
+    """``nvfp4_linear`` of weights (pairs, scale, global_scale, bias) that read the same
+    rows x2 [M, K] (q/k/v, gate/up), in one launch of the Hopper GEMM, where it runs them
+    side by side (``nvfp4_gemm.groups``) and is the path for their joint shape: column
+    views of one [M, sum of N]. None elsewhere (each weight then goes its own path)."""
+    shapes = [_check(x2, *w[:3], "x") for w in weights]
+    m, k = x2.shape
+    ns = [n for n, _ in shapes]
+    if not (m > FUSED_MAX_M and gemm.groups(ns) and x2.stride(-1) == 1
+            and all(gemm_runs(x2, w[1], w[0]) for w in weights)
+            and m <= crossovers.gemm_max_m(_card(x2.device), sum(ns), k)):
+        return None
+    return _columns(gemm.linear_group(x2, weights, k), shapes)
+
+
 def _check_group(x2: torch.Tensor, weights: list[tuple]) -> list[tuple[int, int]]:
     shapes = [_check(x2, *w[:3], "x") for w in weights]
     if x2.dim() != 2 or not 1 <= x2.shape[0] <= FUSED_MAX_M or x2.stride(-1) != 1:

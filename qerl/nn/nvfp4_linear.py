@@ -98,9 +98,13 @@ class NVFP4Linear(nn.Module):
 
 def grouped_partial_sums(layers: list[NVFP4Linear], x2: torch.Tensor) -> list[torch.Tensor]:
     """``partial_sums`` of layers that read the same rows (q/k/v, gate/up): one kernel
-    launch for all of them where the CUDA kernel runs."""
+    launch for all of them where the CUDA kernel or the Hopper GEMM runs."""
     if _use_kernels(x2) and x2.shape[0] <= kernels.FUSED_MAX_M:
         return kernels.nvfp4_linear_grouped_partials(x2.contiguous(), _weights(layers, x2))
+    if _use_kernels(x2):
+        outs = kernels.nvfp4_linear_grouped(x2.contiguous(), _weights(layers, x2))
+        if outs is not None:
+            return [out[None] for out in outs]
     return [layer(x2)[None] for layer in layers]
 
 

@@ -101,7 +101,8 @@ def test_rotary_into_cache_refuses_mismatched_heads():
 
 @pytest.mark.parametrize("lora_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "rank", "group", "splits"),
-                         [(1, 8, 3, 3), (5, 16, 2, 1), (19, 24, 1, 2), (33, 64, 3, None)])
+                         [(1, 8, 3, 3), (5, 16, 2, 1), (19, 24, 1, 2), (33, 64, 3, None),
+                          (70, 16, 2, 3)])
 def test_lora_shrink_expand_match_peft(poisoned, lora_dtype, rows, rank, group, splits):
     """Each member of a group: base + x A^T B^T * scaling as PEFT computes it, from a base
     given whole or as fp32 partials split over K."""
@@ -212,14 +213,14 @@ def test_grouped_expand_refuses_what_it_cannot_join():
 
 
 def test_lora_shrink_adds_up_its_slices_the_same_way_at_every_launch():
-    """The last program of each member sums the slices' partials (a counter per member,
-    left at zero for the next launch): one result, equal to an unsplit shrink to fp32
+    """The last program of each member and row tile sums the slices' partials (a counter
+    each, left at zero for the next launch): one result, equal to an unsplit shrink to fp32
     rounding, bit for bit the same when repeated."""
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
-    x, a = rand(gen, 7, 200), [rand(gen, 16, 200), rand(gen, 16, 200), rand(gen, 16, 200)]
-    split = lora_decode.lora_shrink(x, a, splits=4)
-    assert split.shape == (7, 48)
+    x, a = rand(gen, 75, 200), [rand(gen, 16, 200), rand(gen, 16, 200), rand(gen, 16, 200)]
+    split = lora_decode.lora_shrink(x, a, splits=4)  # 3 tiles of rows
+    assert split.shape == (75, 48)
     assert torch.equal(split, lora_decode.lora_shrink(x, a, splits=4)), seed
     assert not lora_decode._counters(x.device).any()
     ref = x.double() @ torch.cat(a).double().T

@@ -139,3 +139,50 @@ def test_nvfp4_linear_takes_the_gemm_up_to_its_crossover(poisoned):
     got = km.nvfp4_linear(x[:most], *w)
     assert ((got.double() - ref).norm() / ref.norm()).item() < 4e-3, f"seed {seed}"
 
+
+def test_weights_share_a_launch_when_every_one_but_the_last_fills_whole_tiles():
+    assert gemm.groups([3584, 512, 512]) and gemm.groups([256, 200])
+    assert not gemm.groups([200, 256])  # a tile would read two weights
+    assert not gemm.groups([128] * 4) and not gemm.groups([])
+    q = nvfp4.quantize(torch.randn(200, 128) * 0.05)
+    w = (layout.to_pairs(q.packed), q.scale, q.global_scale, None)
+    with pytest.raises(QuantizationError, match="multiple of 128 rows; got \\[200, 200\\]"):
+        gemm.linear_group(torch.zeros(40, 128, dtype=torch.bfloat16), [w, w], 128)
+    if km.interpreting():  # (elsewhere the kernels refuse CPU tensors)
+        assert km.nvfp4_linear_grouped(torch.zeros(40, 128, dtype=torch.bfloat16), [w]) is None
+
+
+@pytest.mark.gpu
+@HOPPER
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_group_of_weights_matches_float64_side_by_side(poisoned, dtype):
+    """q/k/v-like members (the last one odd, each its own global scale and bias) in one
+    launch: each member's columns within the output's rounding of float64, for launches
+    whose pieces straddle members, and through nvfp4_linear_grouped."""
+    seed = fresh_seed()
+    k, ns = 640, (384, 128, 72)
+    members = [_weight(n, k, seed + i) for i, n in enumerate(ns)]
+    gen = torch.Generator().manual_seed(seed)
+    biases = [torch.randn(n, generator=gen).to(dtype).cuda() for n in ns]
+    weights = [(*w, b) for (_, w), b in zip(members, biases, strict=True)]
+    tol = 4e-3 if dtype == torch.bfloat16 else 6e-4
+    for m in (33, 100):
+        x = torch.randn(m, k, generator=gen).to(dtype).cuda()
+        refs = [x.double() @ nvfp4.dequantize(q, torch.float64).T + b.double()
+                for (q, _), b in zip(members, biases, strict=True)]
+        for launch in (None, gemm.Launch(64, 5), gemm.Launch(128, 2)):
+            out = gemm.linear_group(x, weights, k, launch)
+            assert out.shape == (m, sum(ns))
+            starts = (0, 384, 512, 584)
+            for i, ref in enumerate(refs):
+                got = out[:, starts[i]:starts[i + 1]].double()
+                err = ((got - ref).norm() / ref.norm()).item()
+                assert err < tol, f"member {i}, m={m} {launch}, seed {seed}: {err:.2e}"
+    x = torch.randn(48, k, generator=gen).to(dtype).cuda()
+    outs = km.nvfp4_linear_grouped(x, weights)
+    if crossovers.gemm_max_m(torch.cuda.get_device_name(), sum(ns), k) < 48:
+        assert outs is None  # each weight takes its own path
+        return
+    for (q, _), b, out in zip(members, biases, outs, strict=True):
+        ref = x.double() @ nvfp4.dequantize(q, torch.float64).T + b.double()
+        assert ((out.double() - ref).norm() / ref.norm()).item() < tol, f"seed {seed}"
