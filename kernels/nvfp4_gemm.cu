@@ -21,8 +21,8 @@
 // wgmmas of K = 16 per warpgroup. The work is split stream-K: a (tile, quad) pair is a
 // unit, and the grid's blocks (as many as fit on the GPU at once) each take an equal run of
 // units in tile order, so no wave is short and one pipeline runs through a block's tiles.
-// A tile shared by several blocks is finished by the block holding its first quad, which
-// adds the others' fp32 partials in block order: the sum's order is fixed by the launch
+// A tile shared by several blocks is finished by those whose runs end in it, each adding
+// a slice of the fp32 partials in block order: the sum's order is fixed by the launch
 // shape, and results repeat bit for bit.
 
 #include "nvfp4_decode.cuh"
@@ -153,8 +153,8 @@ struct GemmArgs {
   Member w[kMembers];  // every member but the last a whole number of tiles wide
   int members;
   uint16_t* out;   // [m][n], x's dtype: the members' outputs side by side
-  float* partial;  // [blocks][BM / 2][kThreads]: a block's first piece of a tile
-  int* ready;      // [blocks], zeros: set once the block's partial is written
+  float* partial;  // [blocks][2][BM / 2][kThreads]: a block's first and last piece
+  int* ready;      // [blocks][2], zeros: set once that partial is written
   long long stride_xm, stride_om;
   long long units;  // tiles * quads, tiles = tiles_m * ceil(n / kRows), m fastest
   int m, n, quads, tiles_m, blocks;
@@ -227,40 +227,146 @@ __device__ __forceinline__ void acquire(const int* flag) {
   }
 }
 
-// A piece of a tile (quads q_first .. q_last of it) is done, its sums in acc. A piece that
-// does not start the tile is some block's first: its sums go to the block's partial for
-// the block that holds the tile's start, which, the piece being its last, comes to it
-// after its other work, adds the partials in block order (a sum order fixed by the launch
-// shape) and writes the tile.
-template <bool BF16, int BM>
-__device__ __forceinline__ void finish_piece(const GemmArgs& a, float (&acc)[BM / 2],
-                                             uint8_t* smem, long long tile, int q_first,
-                                             int q_last) {
-  const int tid = threadIdx.x;
-  if (q_first != 0) {
-    float* to = a.partial + static_cast<long long>(blockIdx.x) * (BM / 2) * kThreads + tid;
+// The block holding unit u (the inverse of first_unit).
+__device__ __forceinline__ int block_of(const GemmArgs& a, long long u) {
+  return static_cast<int>(((u + 1) * a.blocks - 1) / a.units);
+}
+
+// Block b's partial slot: 0 for its first piece, 1 for its last when that is another.
+template <int BM>
+__device__ __forceinline__ float* partial_at(const GemmArgs& a, int b, int slot) {
+  return a.partial + (2ll * b + slot) * (BM / 2) * kThreads;
+}
+
+// Accumulators j0 .. j1 - 1 of a tile (output columns n0 .., tokens m0 ..) summed over the
+// partials of blocks lo .. hi in block order, scaled, biased and written. W accumulators
+// of U blocks at a time are loaded before any is added, so the partials come in one round
+// trip per W x U, not one per block.
+template <bool BF16, int BM, int W, int U>
+__device__ __forceinline__ void sum_slice(const GemmArgs& a, const Member& w, int lo, int hi,
+                                          int lo_slot, int j0, int j1, int m0, int n0) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int n_end = w.begin + w.n;
+  const float factor = a.post / *w.global_scale;
+  for (int jw = j0; jw < j1; jw += W) {
+    float v[W];
 #pragma unroll
-    for (int j = 0; j < BM / 2; ++j) __stcg(to + j * kThreads, acc[j]);
-    __syncthreads();
-    if (tid == 0) {
-      __threadfence();
-      release(a.ready + blockIdx.x);
+    for (int i = 0; i < W; ++i) v[i] = 0.f;
+    for (int b0 = lo; b0 <= hi; b0 += U) {
+      float x[U][W];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float* from = partial_at<BM>(a, b0 + u, b0 + u == lo ? lo_slot : 0) + tid;
+#pragma unroll
+        for (int i = 0; i < W; ++i)
+          x[u][i] = b0 + u <= hi && jw + i < j1 ? __ldcg(from + (jw + i) * kThreads) : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int i = 0; i < W; ++i)
+          if (b0 + u <= hi) v[i] += x[u][i];
     }
+#pragma unroll
+    for (int i = 0; i < W; ++i) {
+      const int j = jw + i;
+      // D's fragment: rows g and g + 8 of the warp's strip, tokens 2t, 2t + 1 of each 8.
+      const int row = warp * 16 + g + 8 * ((j & 3) >> 1), tok = 8 * (j >> 2) + 2 * t + (j & 1);
+      if (j >= j1 || m0 + tok >= a.m || n0 + row >= a.n) continue;
+      float y = v[i] * factor;
+      if (w.bias != nullptr && n0 + row < n_end) y += to_float<BF16>(w.bias[n0 + row - w.begin]);
+      a.out[(m0 + tok) * a.stride_om + n0 + row] = from_float<BF16>(y);
+    }
+  }
+}
+
+// The blocks sharing a tile: lo .. hi, lo's piece in its partial slot lo_slot (its last
+// piece, 1, unless the tile starts its run), and how many of them finish the tile when it
+// is split: those whose last piece is in it (all but hi, if hi goes on to other tiles).
+struct Sharing {
+  int lo, hi, lo_slot, finishers;
+};
+
+__device__ __forceinline__ Sharing sharing(const GemmArgs& a, long long tile) {
+  const long long start = tile * a.quads, end = start + a.quads;
+  const int lo = block_of(a, start), hi = block_of(a, end - 1);
+  return {lo, hi, first_unit(a, lo) < start, hi - lo + (first_unit(a, hi + 1) <= end)};
+}
+
+// A tile of this many pieces or more is finished by every block whose run ends in it, each
+// summing a slice (finish_last); one of fewer by the block holding its start alone, which
+// adds the others' partials to its own sums. Measured (dev sweeps, H100, 64-256 rows): the
+// split wins where a tile has many pieces (the deep layers, down, at 64 rows) and loses
+// where it has few (its slices go out as scattered stores, a window of loads at a time).
+constexpr int kSplitFrom = 7;
+
+// A block's piece of a tile (quads q_first .. q_last of it) is done, its sums in acc. A
+// whole tile goes out at once; a piece of a shared one as fp32 partial sums with a released
+// flag (slot: the block's first piece 0, its last 1).
+template <bool BF16, int BM>
+__device__ __forceinline__ void finish_piece(const GemmArgs& a, const float (&acc)[BM / 2],
+                                             uint8_t* smem, long long tile, int q_first,
+                                             int q_last, int slot) {
+  const int tid = threadIdx.x;
+  if (q_first == 0 && q_last == a.quads - 1) {
+    __syncthreads();  // both warpgroups are done with the stage the tile goes through
+    const int nb = static_cast<int>(tile / a.tiles_m), mb = static_cast<int>(tile % a.tiles_m);
+    write_tile<BF16, BM>(a, member_at(a, nb * kRows), acc, smem, mb * BM, nb * kRows);
     return;
   }
-  if (q_last != a.quads - 1) {
-    const long long tile_end = (tile + 1) * a.quads;
-    for (int b = blockIdx.x + 1; b < a.blocks && first_unit(a, b) < tile_end; ++b) {
-      if (tid == 0) acquire(a.ready + b);
-      __syncthreads();
-      const float* from = a.partial + static_cast<long long>(b) * (BM / 2) * kThreads + tid;
+  float* to = partial_at<BM>(a, blockIdx.x, slot) + tid;
+#pragma unroll
+  for (int j = 0; j < BM / 2; ++j) __stcg(to + j * kThreads, acc[j]);
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    release(a.ready + 2 * blockIdx.x + slot);
+  }
+}
+
+// The block's last piece (after the main loop, whose registers are free then). A piece of
+// a tile with fewer than kSplitFrom pieces that starts it: the block finishes the tile
+// alone once the others' flags are acquired (all at once), adding their partials to its own
+// sums in block order. A split tile's piece goes out as a partial, and the blocks whose
+// runs end in the tile finish it together once every piece is in: each adds the partials
+// of a slice of the tile's accumulators in block order and writes that slice. The pieces
+// end at about the same time, at the end of their blocks' runs, so this is the launch's
+// tail; split, it takes a round trip or two instead of one round of loads per piece.
+// Either way the sum's order is fixed by the launch shape.
+template <bool BF16, int BM>
+__device__ __forceinline__ void finish_last(const GemmArgs& a, float (&acc)[BM / 2],
+                                            uint8_t* smem, long long tile, int q_first,
+                                            int q_last, bool first) {
+  if (q_first == 0 && q_last == a.quads - 1) {
+    finish_piece<BF16, BM>(a, acc, smem, tile, q_first, q_last, 0);
+    return;
+  }
+  const Sharing s = sharing(a, tile);
+  const bool split = s.hi - s.lo + 1 >= kSplitFrom;
+  if (split || blockIdx.x != s.lo) {
+    finish_piece<BF16, BM>(a, acc, smem, tile, q_first, q_last, !first);
+    if (!split) return;
+  }
+  for (int b = s.lo + threadIdx.x; b <= s.hi; b += kThreads)
+    if (b != blockIdx.x) acquire(a.ready + 2 * b + (b == s.lo ? s.lo_slot : 0));
+  __syncthreads();
+  const int nb = static_cast<int>(tile / a.tiles_m), mb = static_cast<int>(tile % a.tiles_m);
+  const Member& w = member_at(a, nb * kRows);
+  if (!split) {  // this block is lo: the others' pieces start their runs (slot 0)
+    for (int b = s.lo + 1; b <= s.hi; ++b) {
+      const float* from = partial_at<BM>(a, b, 0) + threadIdx.x;
 #pragma unroll
       for (int j = 0; j < BM / 2; ++j) acc[j] += __ldcg(from + j * kThreads);
     }
+    write_tile<BF16, BM>(a, w, acc, smem, mb * BM, nb * kRows);
+    return;
   }
-  __syncthreads();  // both warpgroups are done with the stage the tile goes through
-  const int nb = static_cast<int>(tile / a.tiles_m), mb = static_cast<int>(tile % a.tiles_m);
-  write_tile<BF16, BM>(a, member_at(a, nb * kRows), acc, smem, mb * BM, nb * kRows);
+  const int p = blockIdx.x - s.lo, j0 = BM / 2 * p / s.finishers,
+            j1 = BM / 2 * (p + 1) / s.finishers;
+  if (s.hi - s.lo < 4)
+    sum_slice<BF16, BM, 8, 4>(a, w, s.lo, s.hi, s.lo_slot, j0, j1, mb * BM, nb * kRows);
+  else
+    sum_slice<BF16, BM, 4, 8>(a, w, s.lo, s.hi, s.lo_slot, j0, j1, mb * BM, nb * kRows);
 }
 
 template <bool BF16, int BM>
@@ -407,7 +513,7 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm<BM>())
   decode(frag[0], 0);
   long long tile = begin / a.quads;
   int q_first = static_cast<int>(begin % a.quads);
-  for (int i = 0, odd = 0; i < count; ++tile, q_first = 0) {
+  for (int i = 0, odd = 0;; ++tile, q_first = 0) {
     const int end = min(count, i + a.quads - q_first);
     if (odd)
       piece(i, end, frag[1], frag[0]);
@@ -416,9 +522,15 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm<BM>())
     odd ^= (end - i) & 1;
     wgmma_wait<0>();
     // Its sums are done; it goes out through its last unit's stage (refilled only after
-    // the next unit's barrier).
+    // the next unit's barrier). Any piece but the block's last is a whole tile or the end
+    // of one that starts elsewhere.
+    if (end == count) {
+      finish_last<BF16, BM>(a, acc, smem + ((end - 1) % S) * STAGE, tile, q_first,
+                            q_first + end - i - 1, i == 0);
+      return;
+    }
     finish_piece<BF16, BM>(a, acc, smem + ((end - 1) % S) * STAGE, tile, q_first,
-                           q_first + end - i - 1);
+                           q_first + end - i - 1, 0);
 #pragma unroll
     for (int j = 0; j < BM / 2; ++j) acc[j] = 0.f;
     i = end;
@@ -459,7 +571,7 @@ int qerl_nvfp4_gemm_init(int device) {
 // Returns a cudaError_t (0: launched). x is in gemm order, [m, quads * 128]; member i of
 // `members` has pairs[i], scale[i] (row strides stride_p[i], stride_s[i]), global_scale[i],
 // bias[i] (or null) and n[i] rows, all but the last a multiple of 128; out is [m, sum n];
-// partial holds blocks * bm / 2 * 256 floats, ready blocks ints, zeroed. Shapes and
+// partial holds blocks * bm * 256 floats, ready 2 * blocks ints, zeroed. Shapes and
 // strides are checked by the caller.
 int qerl_nvfp4_gemm(int bf16, const void* x, long long stride_xm, int members,
                     const void* const* pairs, const long long* stride_p,

@@ -176,10 +176,11 @@ def linear_group(x2: torch.Tensor, weights: list[tuple], k: int,
     work = units(m, n, k, launch.token_tile)
     if not 1 <= launch.blocks <= work:
         raise QuantizationError(f"{launch} has blocks outside 1..{work} (the units)")
-    ready = torch.empty(launch.blocks, dtype=torch.int32, device=x2.device)
+    # A block's partial sums and flags: its first piece and its last (nvfp4_gemm.cu).
+    ready = torch.empty(2 * launch.blocks, dtype=torch.int32, device=x2.device)
     xg = gemm_order(x2, quads, ready)
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    partial = torch.empty(launch.blocks * launch.token_tile // 2 * THREADS,
+    partial = torch.empty(launch.blocks * launch.token_tile * THREADS,
                           dtype=torch.float32, device=x2.device)
     arch = ARCHS[cuda_build.arch_of(x2.device)]
     _library(arch)
