@@ -13,10 +13,13 @@ later are untouched.
 
 from __future__ import annotations
 
+import importlib.util
 from types import MethodType
 
 import torch
 from torch import nn
+
+from qerl.settings import ConfigError
 
 
 def _training_on_gpu(x: torch.Tensor) -> bool:
@@ -54,6 +57,15 @@ def is_swiglu_mlp(module: nn.Module) -> bool:
     # SiLUActivation: transformers' own class (5.x), not a subclass of nn.SiLU.
     return (all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj"))
             and type(getattr(module, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation"))
+
+
+def require_liger() -> None:
+    """Refuse, naming the fix, where Liger-Kernel is missing: its ops are imported at the
+    first training forward, which would otherwise fail deep inside the model."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ConfigError("train.liger is on but Liger-Kernel is not installed: pip install "
+                          "'liger-kernel>=0.6' (qerl depends on it on Linux), or set "
+                          "train.liger: false")
 
 
 def use_liger(model: nn.Module) -> int:

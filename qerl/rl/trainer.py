@@ -33,7 +33,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from qerl.config import ConfigError, TrainConfig
-from qerl.nn.liger import use_liger
+from qerl.nn.liger import require_liger, use_liger
 from qerl.nn.padded_attention import use_padded_attention
 from qerl.rl.checkpoints import save_staged
 from qerl.rl.phases import PHASES
@@ -135,6 +135,7 @@ class QerlGRPOTrainer(GRPOTrainer):
                               "multi-GPU runs")
         use_padded_attention(policy.base_model)
         if device.type == "cuda" and config.train.liger:
+            require_liger()
             use_liger(policy.base_model)
         self.add_callback(_RestoreNoise(self))
         self.add_callback(_PhaseTimes(self))

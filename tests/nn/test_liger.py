@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qerl.nn import liger as liger_module
 from qerl.nn.liger import use_liger
 from qerl.noise import AdaptiveQuantizationNoise, AQNSettings
+from qerl.settings import ConfigError
 from tests.conftest import fresh_seed, tiny_config
 
 
@@ -29,6 +31,13 @@ def test_binds_every_norm_and_mlp_and_changes_nothing_off_the_gpu():
     for autocast in (False, True):
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             assert torch.equal(model(ids).logits, plain(ids).logits), f"seed {seed}"
+
+
+def test_a_missing_liger_kernel_is_named_with_its_fix(monkeypatch):
+    liger_module.require_liger()  # installed here
+    monkeypatch.setattr(liger_module.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="pip install 'liger-kernel>=0.6'.*train.liger: false"):
+        liger_module.require_liger()
 
 
 def grads(module, x, upstream):
