@@ -74,6 +74,11 @@ class RLSection(Settings):
     overlong: OverlongSection = OverlongSection()
     rewards: dict[Literal["accuracy", "format"], float] = Field(
         default_factory=lambda: {"accuracy": 1.0, "format": 0.1})
+    # Truncated importance sampling of the sampler/trainer mismatch (TRL's correction: each
+    # token's loss times min(p_train / p_sampler, tis_cap)); None: on for engine.backend
+    # vllm, off for the embedded engine, whose log-probs are the policy's own forward.
+    tis: bool | None = None
+    tis_cap: float = Field(3.0, gt=0)
 
 
 class TrainSection(Settings):

@@ -13,7 +13,9 @@ the paper needs and TRL lacks:
   with ``aqn.rollout_only``);
 - DAPO's overlong reward shaping (a reward function) and dynamic sampling (groups whose
   rewards all agree carry no signal: they are replaced by fresh prompts' groups);
-- metrics TRL does not log: AQN sigma, rollout tokens/s, peak GPU memory;
+- metrics TRL does not log: AQN sigma, rollout tokens/s, peak GPU memory, and the gap
+  between the sampler's log-probs and the training forward's (``mismatch/*``), with TRL's
+  truncated importance sampling of that gap switchable (``rl.tis``);
 - a faster training forward: causal attention over padded batches without a mask
   (``qerl.nn.padded_attention``), Liger's fused norm and SwiGLU on GPU (``qerl.nn.liger``),
   and LoRA added inside the base GEMM (``qerl.nn.lora_linear``).
@@ -52,6 +54,12 @@ def overlong_reward(max_len: int, buffer: int, penalty: float):
     return overlong_reward
 
 
+def tis_enabled(config: TrainConfig) -> bool:
+    """Whether the loss corrects for the sampler's log-probs (rl.tis; by default only
+    where another engine, vLLM, samples)."""
+    return config.rl.tis if config.rl.tis is not None else config.engine.backend == "vllm"
+
+
 def grpo_args(config: TrainConfig, use_cpu: bool) -> GRPOConfig:
     rl, train = config.rl, config.train
     return GRPOConfig(
@@ -75,6 +83,9 @@ def grpo_args(config: TrainConfig, use_cpu: bool) -> GRPOConfig:
         temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k or None,
         max_completion_length=rl.max_completion_length,
         reward_weights=[*rl.rewards.values(), *([1.0] if rl.overlong.enabled else [])],
+        vllm_importance_sampling_correction=tis_enabled(config),
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_max=rl.tis_cap,
     )
 
 
@@ -133,6 +144,11 @@ class QerlGRPOTrainer(GRPOTrainer):
             raise ConfigError("rl.dynamic_sampling runs on one process for now (refills "
                               "would have to agree across processes); turn it off for "
                               "multi-GPU runs")
+        # TRL corrects for the sampler (a no-grad forward for the pre-update log-probs, the
+        # truncated ratio in the loss, its sampling/* metrics) only under use_vllm, which
+        # otherwise routes generation: _generate_single_turn below replaces that routing.
+        self.use_vllm = self.args.vllm_importance_sampling_correction
+        self._mismatch_of: dict | None = None  # a loss's inputs, until its forward is seen
         use_padded_attention(policy.base_model)
         if device.type == "cuda" and config.train.liger:
             require_liger()
@@ -212,6 +228,45 @@ class QerlGRPOTrainer(GRPOTrainer):
         self._metrics["train"]["rollout/tokens_per_s"].append(
             sum(map(len, tokens)) / max(seconds, 1e-9))
         return tokens, logprobs
+
+    # Sampler/trainer mismatch --------------------------------------------------------
+
+    def _compute_loss(self, model, inputs):
+        """TRL's loss, and the mismatch between the log-probs the rollout sampled with and
+        the training forward's: the pre-update forward's where TRL ran one, else (its
+        log-probs equal then) the loss's own."""
+        sampled = inputs.get("sampling_per_token_logps")
+        if sampled is not None and inputs.get("old_per_token_logps") is not None:
+            self._log_mismatch(inputs["old_per_token_logps"], sampled, inputs["completion_mask"])
+        elif sampled is not None:
+            self._mismatch_of = inputs
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._mismatch_of = None
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if self._mismatch_of is not None:
+            inputs, self._mismatch_of = self._mismatch_of, None
+            self._log_mismatch(out[0].detach(), inputs["sampling_per_token_logps"],
+                               inputs["completion_mask"])
+        return out
+
+    def _log_mismatch(self, trained: torch.Tensor, sampled: torch.Tensor,
+                      mask: torch.Tensor) -> None:
+        """Per micro-batch over its completion tokens: mean and max |log p_train -
+        log p_sampler|, and NeMo-RL's token_mult_prob_error, the mean of exp(|...|) (1 when
+        they agree). A logged value is the mean over the step's micro-batches."""
+        delta = (trained - sampled).abs()[mask.bool() & ~sampled.isnan()]
+        if not delta.numel():
+            return
+        values = torch.stack([delta.mean(), delta.max(), delta.exp().mean()])
+        gathered = self.accelerator.gather(values[None]).view(-1, 3)
+        metrics = self._metrics["train"]
+        metrics["mismatch/logp_diff_mean"].append(gathered[:, 0].mean().item())
+        metrics["mismatch/logp_diff_max"].append(gathered[:, 1].max().item())
+        metrics["mismatch/token_mult_prob_error"].append(gathered[:, 2].mean().item())
 
     def _now(self) -> float:
         """A timestamp after the GPU's queued work (so phases are not blurred)."""
