@@ -52,15 +52,17 @@ def config(name: str) -> dict:
                "eval_base": 2, "report": 1}),
     ("gpu", {"quantize": 1, "train": 3, "eval_trained": 3, "eval_base": 2,
              "lm_eval_gsm8k": 1, "lighteval_math": 1, "base_eval_summary": 1, "bench": 6,
-             # 4 methods x 2 learning rates x 3 seeds, each with its held-out evaluation;
-             # the entropy study.
-             "science_train": 24, "science_held_out": 24, "science_entropy": 1}),
+             "science_train": None}),  # the study is a configuration of its own
+    # 4 methods x 2 learning rates x 3 seeds, each with its held-out evaluation; the
+    # entropy study; on top of gpu's model and data.
+    ("gpu science", {"science_train": 24, "science_held_out": 24, "science_entropy": 1}),
     # 4 models x 2 recipes x 4 methods, less the 7 full fine-tunes the paper did not run.
     ("paper", {"quantize": 4, "train": 25, "eval_trained": 25, "eval_base": 8,
                "lm_eval_gsm8k": 4, "lighteval_math": 4, "side_env": 2, "bench": 5}),
 ])
 def test_each_configuration_lists_its_jobs(name, expected):
-    done = snakemake("-n", "--forceall", "--configfile", f"workflows/config/{name}.yaml")
+    files = [f"workflows/config/{part}.yaml" for part in name.split()]
+    done = snakemake("-n", "--forceall", "--configfile", *files)
     assert done.returncode == 0, done.stderr[-3000:]
     counts = job_counts(done.stdout + done.stderr)
     assert {job: counts.get(job) for job in expected} == expected
@@ -161,7 +163,7 @@ def test_gpu_jobs_of_a_gpu_configuration_go_through_the_gpu_slot():
     """Every GPU job of the gpu configuration takes its own GPU; the study's held-out check
     is the arithmetic task's held-out draw."""
     done = snakemake("-n", "-p", "--forceall", "--configfile", "workflows/config/gpu.yaml",
-                     "--", "science_all")
+                     "workflows/config/science.yaml", "--", "science_all")
     commands = [line for line in (done.stdout + done.stderr).splitlines()
                 if line.startswith("Shell command:")]
     assert done.returncode == 0 and commands
