@@ -259,14 +259,17 @@ class QerlGRPOTrainer(GRPOTrainer):
         log p_sampler|, and NeMo-RL's token_mult_prob_error, the mean of exp(|...|) (1 when
         they agree). A logged value is the mean over the step's micro-batches."""
         delta = (trained - sampled).abs()[mask.bool() & ~sampled.isnan()]
-        if not delta.numel():
-            return
-        values = torch.stack([delta.mean(), delta.max(), delta.exp().mean()])
+        # Every process gathers, also one whose micro-batch has no token to measure.
+        values = (torch.stack([delta.mean(), delta.max(), delta.exp().mean()]) if delta.numel()
+                  else torch.full((3,), float("nan"), device=delta.device))
         gathered = self.accelerator.gather(values[None]).view(-1, 3)
+        measured = gathered[~gathered[:, 0].isnan()]
+        if not len(measured):
+            return
         metrics = self._metrics["train"]
-        metrics["mismatch/logp_diff_mean"].append(gathered[:, 0].mean().item())
-        metrics["mismatch/logp_diff_max"].append(gathered[:, 1].max().item())
-        metrics["mismatch/token_mult_prob_error"].append(gathered[:, 2].mean().item())
+        metrics["mismatch/logp_diff_mean"].append(measured[:, 0].mean().item())
+        metrics["mismatch/logp_diff_max"].append(measured[:, 1].max().item())
+        metrics["mismatch/token_mult_prob_error"].append(measured[:, 2].mean().item())
 
     def _now(self) -> float:
         """A timestamp after the GPU's queued work (so phases are not blurred)."""
