@@ -76,6 +76,16 @@ RUN python3 -m venv /opt/venv \
     && pip install --no-cache-dir --no-build-isolation \
         -r requirements/main.txt -c requirements/constraints.txt
 
+# The training environment for `engine.backend: vllm` (qerl[vllm]): vLLM pins other
+# transformers, compressed-tensors and numpy versions than main.txt (requirements/vllm.txt
+# says which vLLM goes with which torch). Fully pinned, torch's CUDA packages included, so
+# without the constraints (vLLM's CUDA bindings need another cuda-bindings). Run
+# /opt/envs/vllm/bin/qerl train ... for rollouts on vLLM.
+COPY requirements/vllm.txt requirements/
+RUN python3 -m venv /opt/envs/vllm \
+    && /opt/envs/vllm/bin/pip install --no-cache-dir setuptools==84.2.1 \
+    && /opt/envs/vllm/bin/pip install --no-cache-dir --no-build-isolation -r requirements/vllm.txt
+
 # The repository, and qerl itself from it (its dependencies are all in main.txt); then the
 # installed package's CUDA kernel (-P: not the source tree in the working directory) for
 # Ampere, Ada, Hopper and Blackwell (no GPU needed to build), so that a container's first
@@ -83,6 +93,7 @@ RUN python3 -m venv /opt/venv \
 ENV CUDA_HOME=/usr/local/cuda QERL_CACHE=/opt/qerl-cache
 COPY . /workspace
 RUN pip install --no-cache-dir --no-deps --no-build-isolation /workspace \
+    && /opt/envs/vllm/bin/pip install --no-cache-dir --no-deps --no-build-isolation /workspace \
     && python3 -P -m qerl.kernels.cuda_build 80 86 89 90 100 120
 
 CMD ["snakemake", "--cores", "all"]

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKER_CONFIG = "workflows/config/docker.yaml"
 SIDE_ENVS = {"lm-eval", "lighteval", "llmcompressor"}
+VLLM_SET = "requirements/vllm.txt"
 # name[extras]==version[; marker]: a public version, no local label (+cpu is not on PyPI).
 PINNED = re.compile(
     r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)(\[[A-Za-z0-9._,-]+\])?"
@@ -59,11 +60,13 @@ def _copy_sources() -> list[str]:
     return sources
 
 
-def _installed_requirement_files() -> dict[str, str]:
-    """Every file a RUN passes to pip with -r/-c (a for loop's variable expanded) -> the flag."""
+def _installed_requirement_files(constrained_only: bool = False) -> dict[str, str]:
+    """Every file a RUN passes to pip with -r/-c (a for loop's variable expanded) -> the flag;
+    with ``constrained_only``, of the RUNs that pass a constraint file."""
     files: dict[str, str] = {}
     for keyword, args in _instructions():
-        if keyword != "RUN":
+        if keyword != "RUN" or (constrained_only and not re.search(r"(-c|--constraint)[ =]",
+                                                                      args)):
             continue
         loops = dict(re.findall(r"\bfor (\w+) in ([^;]+);", args))
         for flag, path in re.findall(r"(-r|--requirement|-c|--constraint)[ =]+([^\s;&|]+)", args):
@@ -115,7 +118,8 @@ def test_copy_sources_exist():
 
 def test_every_installed_requirement_set_exists_is_copied_and_pinned():
     files = _installed_requirement_files()
-    expected = {"requirements/main.txt"} | {f"workflows/envs/{e}.txt" for e in SIDE_ENVS}
+    expected = {"requirements/main.txt", VLLM_SET} | {f"workflows/envs/{e}.txt"
+                                                       for e in SIDE_ENVS}
     assert expected <= {f for f, kind in files.items() if kind == "requirement"}, files
     copied = _copy_sources()
     torch = {}
@@ -137,7 +141,8 @@ def test_every_installed_requirement_set_exists_is_copied_and_pinned():
 
 def test_constraints_agree_with_every_set():
     """pip fails on a requirement and a constraint that disagree: catch it here."""
-    files = _installed_requirement_files()
+    files = _installed_requirement_files(constrained_only=True)
+    assert VLLM_SET not in files  # its own CUDA packages: installed without constraints
     constraints = [f for f, kind in files.items() if kind == "constraint"]
     for constraint in constraints:
         pinned = _pins(constraint)
@@ -146,6 +151,18 @@ def test_constraints_agree_with_every_set():
                 clashes = {n: (v, pinned[n]) for n, v in _pins(path).items()
                            if n in pinned and pinned[n] != v}
                 assert not clashes, f"{path} vs {constraint}: {clashes}"
+
+
+def test_the_vllm_set_holds_the_extras_vllm_with_the_images_torch():
+    """qerl[vllm]'s range admits the set's vLLM, whose torch is the main set's."""
+    from packaging.requirements import Requirement
+
+    (extra,) = re.findall(r'^vllm = \["([^"]+)"\]$', (ROOT / "pyproject.toml").read_text(),
+                          re.M)
+    pins = _pins(VLLM_SET)
+    assert Requirement(extra).specifier.contains(pins["vllm"]), (extra, pins["vllm"])
+    assert pins["torch"] == _pins("requirements/main.txt")["torch"]
+    assert "qerl" not in pins  # installed from the source, --no-deps
 
 
 def test_docker_config_names_the_side_environments_built():
