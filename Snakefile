@@ -31,6 +31,7 @@ onstart:
 
 
 onsuccess:
+    write_run_record()
     say_where_results_are()
 
 

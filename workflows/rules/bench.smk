@@ -23,5 +23,6 @@ rule bench:
     output: directory(f"{RESULTS}/bench/{{bench}}")
     params: args=bench_args, out=bench_out, on_gpu=ON_GPU
     log: f"{WORK}/logs/bench/{{bench}}.log"
+    benchmark: f"{WORK}/benchmarks/bench/{{bench}}.tsv"
     resources: gpu=bench_gpu, mem_mb=MEM_MB["large"]
     shell: "mkdir -p {output} && {params.on_gpu}qerl bench {wildcards.bench} {params.args} {params.out} > {log} 2>&1"

@@ -167,5 +167,6 @@ rule export_bf16:
     output: directory(f"{WORK}/models/{{model}}/bf16")
     params: source=export_args, device=DEVICE, on_gpu=ON_GPU
     log: f"{WORK}/logs/export_bf16/{{model}}.log"
+    benchmark: f"{WORK}/benchmarks/export_bf16/{{model}}.tsv"
     resources: mem_mb=MEM_MB["small"], gpu=USES_GPU
     shell: "{params.on_gpu}qerl export {params.source} --device {params.device} --out {output} > {log} 2>&1"

@@ -1,5 +1,10 @@
 # Tables and figures of everything above, the paper's numbers beside them; with
-# report.check set, the run fails when a reproduced number drifts past its tolerance.
+# report.check set, the run fails when a reproduced number drifts past its tolerance. A run
+# that writes them also writes results_dir/run.json: what ran, where and how long.
+import csv
+import datetime
+import json
+import sys
 import time
 REPORT = config.get("report", {})
 STARTED = time.time()
@@ -44,17 +49,72 @@ rule report:
     output: f"{RESULTS}/tables/values.csv"
     params: check=check_arg(), note=note_arg(), results=RESULTS
     log: f"{WORK}/logs/report.log"
+    benchmark: f"{WORK}/benchmarks/report.tsv"
     shell: "qerl report --results {params.results} {params.check} {params.note} > {log} 2>&1"
+
+
+def _reported_this_run() -> bool:
+    values = Path(RESULTS, "tables", "values.csv")
+    return values.is_file() and values.stat().st_mtime >= STARTED
 
 
 def say_where_results_are():
     """After a run that wrote the report: where its tables and figures are, and the check's
     verdict (a drift fails the report job, so a finished run passed it)."""
-    values = Path(RESULTS, "tables", "values.csv")
-    if not values.is_file() or values.stat().st_mtime < STARTED:
+    if not _reported_this_run():
         return  # this run made other targets
     check = REPORT.get("check")
     verdict = (f"every checked value is within its tolerance of {check}" if check
                else "no expected values to check against (report.check)")
-    print(f"\nqerl: tables in {values.parent}/ (values.csv: every number), figures in "
-          f"{Path(RESULTS, 'figures')}/; {verdict}; report log: {WORK}/logs/report.log")
+    print(f"\nqerl: tables in {RESULTS}/tables/ (values.csv: every number), figures in "
+          f"{Path(RESULTS, 'figures')}/, the run's record in {RESULTS}/run.json; {verdict}; "
+          f"report log: {WORK}/logs/report.log")
+
+
+def _card() -> str:
+    if DEVICE != "cuda":
+        return "cpu"
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=60).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no nvidia-smi)"
+    return ", ".join(sorted({n.strip() for n in names if n.strip()})) or "unknown"
+
+
+def _commit() -> str | None:
+    """The checkout's commit, "-dirty" when tracked files differ from it; None outside git."""
+    def git(*args):
+        return subprocess.run(["git", "-C", workflow.basedir, *args], capture_output=True,
+                              text=True, timeout=60)
+
+    head = git("rev-parse", "HEAD")
+    if head.returncode:
+        return None
+    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def _when(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat(
+        timespec="seconds")
+
+
+def write_run_record():
+    """results_dir/run.json after a run that wrote the report: the card, the commit, the
+    command, start and end, and each job's wall time in seconds (its benchmark file, for
+    the jobs that ran in this run)."""
+    if not _reported_this_run():
+        return
+    root = Path(WORK, "benchmarks")
+    jobs = {}
+    for tsv in sorted(root.rglob("*.tsv")):
+        if tsv.stat().st_mtime >= STARTED:
+            with tsv.open() as f:
+                rows = list(csv.DictReader(f, delimiter="\t"))
+            jobs[str(tsv.relative_to(root).with_suffix(""))] = round(float(rows[-1]["s"]), 1)
+    ended = time.time()
+    record = {"card": _card(), "commit": _commit(), "command": shlex.join(sys.argv),
+              "started": _when(STARTED), "ended": _when(ended),
+              "wall_s": round(ended - STARTED, 1), "jobs_s": jobs}
+    Path(RESULTS, "run.json").write_text(json.dumps(record, indent=1) + "\n")

@@ -84,6 +84,7 @@ rule science_held_out:
         settings=held_out_settings(),
         out=f"{WORK}/science/{{model}}/{{variant}}/seed{{seed}}/eval",
     log: f"{WORK}/logs/science_held_out/{{model}}/{{variant}}/seed{{seed}}.log"
+    benchmark: f"{WORK}/benchmarks/science_held_out/{{model}}/{{variant}}/seed{{seed}}.tsv"
     resources: gpu=USES_GPU, mem_mb=MEM_MB["medium"]
     shell:
         "{params.on_gpu}qerl eval {params.policy} {params.settings} --out {params.out} > {log} 2>&1 && "
@@ -99,6 +100,7 @@ rule science_entropy:
         data=f"--data {DATA['gsm8k']}" if DATA.get("gsm8k") else "",
         device=DEVICE,
     log: f"{WORK}/logs/science_entropy/{{model}}.log"
+    benchmark: f"{WORK}/benchmarks/science_entropy/{{model}}.tsv"
     resources: gpu=USES_GPU, mem_mb=MEM_MB["medium"]
     shell:
         "{params.on_gpu}qerl bench entropy --model {params.source} {params.data} {params.args} "
