@@ -133,3 +133,25 @@ def test_the_same_export_writes_the_same_bytes_in_any_process(tiny_model_dir, tm
         run_python(["-c", EXPORT, str(tiny_model_dir), str(tmp_path / seed)], seed)
     first = tree_digests(tmp_path / "1")
     assert "vllm/adapter/adapter_config.json" in first and first == tree_digests(tmp_path / "2")
+
+
+def test_an_nvfp4_checkpoint_exports_as_its_weights_dequantized(tiny_model_dir, tmp_path):
+    """The science study's control base (`qerl export --model NVFP4 --method qerl`): each
+    quantized weight as deq(W) in BF16, bit for bit, every other tensor as the checkpoint
+    holds it; a plain model that `lora` then trains."""
+    from qerl.formats import nvfp4
+    from qerl.quantize import quantize_model
+    from qerl.sources import open_source
+
+    quantize_model(open_source(str(tiny_model_dir)), tmp_path / "nvfp4", progress=False)
+    main(["export", "--model", str(tmp_path / "nvfp4"), "--method", "qerl", "--device", "cpu",
+          "--out", str(tmp_path / "deq")])
+    ckpt = load_checkpoint(tmp_path / "nvfp4")
+    got = load_file(tmp_path / "deq" / "model.safetensors")
+    assert ckpt.quantized and set(got) == {f"{m}.weight" for m in ckpt.quantized} | set(ckpt.dense)
+    for module, q in ckpt.quantized.items():
+        assert torch.equal(got[f"{module}.weight"], nvfp4.dequantize(q, torch.bfloat16)), module
+    for name, t in ckpt.dense.items():
+        assert torch.equal(got[name], t.to(torch.bfloat16)), name
+    policy = build_policy("lora", tmp_path / "deq")
+    assert policy.lora is not None

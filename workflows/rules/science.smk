@@ -19,7 +19,10 @@ def science_variant(wildcards):
 
 
 def science_model(wildcards):
-    return method_base(wildcards.model, science_variant(wildcards)["method"])
+    variant = science_variant(wildcards)
+    if variant.get("base") == "nvfp4-dequantized":
+        return f"{WORK}/models/{wildcards.model}/nvfp4-dequantized"
+    return method_base(wildcards.model, variant["method"])
 
 
 def science_model_input(wildcards):
@@ -47,6 +50,20 @@ def science_adapter_args(wildcards):
 
 def model_source(wildcards):
     return MODELS[wildcards.model]
+
+
+rule nvfp4_dequantized:
+    """The NVFP4 checkpoint's weights dequantized to BF16 (qerl export, merged layout):
+    the function qerl starts from, without the 4-bit forward."""
+    input: f"{WORK}/models/{{model}}/nvfp4"
+    output: directory(f"{WORK}/models/{{model}}/nvfp4-dequantized")
+    params: device=DEVICE, on_gpu=ON_GPU
+    log: f"{WORK}/logs/nvfp4_dequantized/{{model}}.log"
+    benchmark: f"{WORK}/benchmarks/nvfp4_dequantized/{{model}}.tsv"
+    resources: gpu=USES_GPU, mem_mb=MEM_MB["medium"]
+    shell:
+        "{params.on_gpu}qerl export --model {input} --method qerl --layout merged "
+        "--device {params.device} --out {output} > {log} 2>&1"
 
 
 rule science_train:
