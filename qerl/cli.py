@@ -137,6 +137,12 @@ def _export(args: argparse.Namespace) -> None:
                           device=args.device or _default_device())
     if args.adapter:
         load_adapter(policy, args.adapter)
+    if args.perturb:
+        if method != "full":
+            raise QerlError("--perturb takes a BF16 model as it is (--method full)")
+        from qerl.perturb import nvfp4_matched_noise
+
+        nvfp4_matched_noise(policy.base_model, args.seed)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     write = export_for_vllm if args.layout == "vllm" else export_merged
     print(write(policy, args.out, overwrite=args.overwrite, tokenizer=tokenizer))
@@ -235,7 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--model", help="model directory, hub id, .gguf or NVFP4 checkpoint")
     x.add_argument("--arch", help="instead of --model: random weights of a named "
                                   "architecture (e.g. tiny-llama, qwen2.5-7b)")
-    x.add_argument("--seed", type=int, default=0, help="seed for --arch")
+    x.add_argument("--seed", type=int, default=0, help="seed for --arch and --perturb")
+    x.add_argument("--perturb", choices=["nvfp4-gaussian"],
+                   help="add Gaussian noise to every Linear NVFP4 would quantize, with the norm "
+                        "of its NVFP4 error (a BF16 model as far from its weights as NVFP4 "
+                        "moves it)")
     x.add_argument("--tokenizer", help="tokenizer to write beside the weights (directory, hub "
                                        "id, .gguf or packaged GGUF name); needed with --arch")
     _adapter_args(x)

@@ -53,11 +53,11 @@ def config(name: str) -> dict:
     ("gpu", {"quantize": 1, "train": 3, "eval_trained": 3, "eval_base": 2,
              "lm_eval_gsm8k": 1, "lighteval_math": 1, "base_eval_summary": 1, "bench": 6,
              "science_train": None}),  # the study is a configuration of its own
-    # 4 methods x 2 learning rates, and LoRA at qerl's higher rate on the BF16 weights and on
-    # the NVFP4 ones dequantized, x 3 seeds, each with its held-out evaluation; the entropy
-    # study; on top of gpu's model and data.
-    ("gpu science", {"science_train": 30, "science_held_out": 30, "science_entropy": 1,
-                     "nvfp4_dequantized": 1}),
+    # 4 methods x 2 learning rates, and LoRA at qerl's higher rate on the BF16 weights, on
+    # the NVFP4 ones dequantized and on noised ones, x 3 seeds, each with its held-out
+    # evaluation; the entropy study; on top of gpu's model and data.
+    ("gpu science", {"science_train": 33, "science_held_out": 33, "science_entropy": 1,
+                     "nvfp4_dequantized": 1, "nvfp4_noised": 1}),
     # 4 models x 2 recipes x 4 methods, less the 7 full fine-tunes the paper did not run.
     ("paper", {"quantize": 4, "train": 25, "eval_trained": 25, "eval_base": 8,
                "lm_eval_gsm8k": 4, "lighteval_math": 4, "side_env": 2, "bench": 5}),

@@ -20,8 +20,8 @@ def science_variant(wildcards):
 
 def science_model(wildcards):
     variant = science_variant(wildcards)
-    if variant.get("base") == "nvfp4-dequantized":
-        return f"{WORK}/models/{wildcards.model}/nvfp4-dequantized"
+    if "base" in variant:  # a control's start: nvfp4-dequantized or nvfp4-noised
+        return f"{WORK}/models/{wildcards.model}/{variant['base']}"
     return method_base(wildcards.model, variant["method"])
 
 
@@ -64,6 +64,20 @@ rule nvfp4_dequantized:
     shell:
         "{params.on_gpu}qerl export --model {input} --method qerl --layout merged "
         "--device {params.device} --out {output} > {log} 2>&1"
+
+
+rule nvfp4_noised:
+    """The BF16 model moved as far as NVFP4 moves it, by Gaussian noise with the norm of
+    each quantized Linear's NVFP4 error (qerl export --perturb nvfp4-gaussian)."""
+    input: base_model_input
+    output: directory(f"{WORK}/models/{{model}}/nvfp4-noised")
+    params: model=base_model_of, device=DEVICE, on_gpu=ON_GPU
+    log: f"{WORK}/logs/nvfp4_noised/{{model}}.log"
+    benchmark: f"{WORK}/benchmarks/nvfp4_noised/{{model}}.tsv"
+    resources: gpu=USES_GPU, mem_mb=MEM_MB["medium"]
+    shell:
+        "{params.on_gpu}qerl export --model {params.model} --method full "
+        "--perturb nvfp4-gaussian --seed 0 --device {params.device} --out {output} > {log} 2>&1"
 
 
 rule science_train:
