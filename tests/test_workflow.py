@@ -54,9 +54,9 @@ def config(name: str) -> dict:
              "lm_eval_gsm8k": 1, "lighteval_math": 1, "base_eval_summary": 1, "bench": 6,
              "science_train": None}),  # the study is a configuration of its own
     # 4 methods x 2 learning rates, and LoRA at qerl's higher rate on the BF16 weights, on
-    # the NVFP4 ones dequantized and on noised ones, x 3 seeds, each with its held-out
-    # evaluation; the entropy study; on top of gpu's model and data.
-    ("gpu science", {"science_train": 33, "science_held_out": 33, "science_entropy": 1,
+    # the NVFP4 ones dequantized and on noised ones, and qerl with TIS, x 3 seeds, each with
+    # its held-out evaluation; the entropy study; on top of gpu's model and data.
+    ("gpu science", {"science_train": 36, "science_held_out": 36, "science_entropy": 1,
                      "nvfp4_dequantized": 1, "nvfp4_noised": 1}),
     # 4 models x 2 recipes x 4 methods, less the 7 full fine-tunes the paper did not run.
     ("paper", {"quantize": 4, "train": 25, "eval_trained": 25, "eval_base": 8,
@@ -173,6 +173,14 @@ def test_gpu_jobs_of_a_gpu_configuration_go_through_the_gpu_slot():
     held_out = [line for line in commands if " qerl eval " in line]
     assert held_out and all("--bench arithmetic-1,arithmetic-2 --limit 500" in line
                             for line in held_out)
+    # The controls: their starts, and a variant's own settings.
+    train = {variant: line for line in commands if " qerl train " in line
+             for variant in re.findall(r"/science/[^/]+/([^/]+)/seed0 ", line)}
+    models = "--set model=work/gpu/models/smollm2-135m-instruct"
+    assert f"{models}/nvfp4-dequantized --set method=lora " in train["lora-nvfp4-start"]
+    assert f"{models}/nvfp4-noised --set method=lora " in train["lora-noised-start"]
+    assert "--set rl.tis=True" in train["qerl-10x-tis"]
+    assert "rl.tis" not in train["qerl-10x"]
     smoke = snakemake("-n", "-p", "--forceall")
     assert "gpu_slot.py" not in smoke.stdout + smoke.stderr  # CPU configurations run as is
 

@@ -38,7 +38,8 @@ def science_sets(wildcards):
             "train.learning_rate": variant["learning_rate"]}
     if "aqn" in variant:
         sets["aqn.enabled"] = variant["aqn"]
-    return " ".join(f"--set {key}={value}" for key, value in sets.items())
+    sets |= variant.get("set", {})
+    return " ".join(f"--set {shlex.quote(f'{key}={value}')}" for key, value in sets.items())
 
 
 def science_adapter_args(wildcards):
