@@ -146,10 +146,10 @@ def groups(ns: list[int]) -> bool:
 
 
 def linear(x2: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
-           global_scale: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
+           global_scale: torch.Tensor, bias: torch.Tensor | None, k: int,
            launch: Launch | None = None) -> torch.Tensor:
-    """x2 [M, K] (CUDA, bf16/fp16, contiguous) -> x2 @ deq(W)^T + bias [M, N] in x's dtype.
-    Shapes are checked by the caller (nvfp4_matmul)."""
+    """x2 [M, K] (CUDA, bf16/fp16, contiguous) -> x2 @ deq(W)^T + bias [M, N] in x's dtype,
+    N the scale's rows. Shapes are checked by the caller (nvfp4_matmul)."""
     return linear_group(x2, [(pairs, scale, global_scale, bias)], k, launch)
 
 

@@ -507,7 +507,7 @@ def nvfp4_linear(x: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
                          FORWARD_PATHS)
     if path in ("dequant", "gemm"):
         if path == "gemm":
-            y = gemm.linear(x2, pairs, scale, global_scale, bias, n, k)
+            y = gemm.linear(x2, pairs, scale, global_scale, bias, k)
         else:  # compute-bound: decode W once, then the BF16 GEMM
             y = torch.nn.functional.linear(x2, dequantize(pairs, scale, global_scale, x.dtype),
                                            bias)

@@ -62,7 +62,7 @@ def test_a_launch_with_more_blocks_than_units_is_refused():
     q = nvfp4.quantize(torch.randn(32, 128) * 0.05)
     with pytest.raises(QuantizationError, match="blocks outside 1..1"):
         gemm.linear(torch.zeros(40, 128, dtype=torch.bfloat16), layout.to_pairs(q.packed),
-                    q.scale, q.global_scale, None, 32, 128, launch=gemm.Launch(64, 2))
+                    q.scale, q.global_scale, None, 128, launch=gemm.Launch(64, 2))
 
 
 def test_only_whole_aligned_quads_of_k_are_supported():
@@ -115,11 +115,11 @@ def test_every_instance_matches_float64(poisoned, dtype, n, k):
             work = gemm.units(m, n, k, bm)
             for blocks in sorted({1, 2, 3, min(work, 7), min(work, 132), work}):
                 launch = gemm.Launch(bm, blocks)
-                got = gemm.linear(x, *w, bias, n, k, launch=launch)
+                got = gemm.linear(x, *w, bias, k, launch=launch)
                 err = ((got.double() - ref).norm() / ref.norm()).item()
                 tol = 4e-3 if dtype == torch.bfloat16 else 6e-4
                 assert err < tol, f"m={m} {launch}, seed {seed}: {err:.2e}"
-                again = gemm.linear(x, *w, bias, n, k, launch=launch)
+                again = gemm.linear(x, *w, bias, k, launch=launch)
                 assert torch.equal(got, again), f"not deterministic: m={m} {launch}, seed {seed}"
 
 
