@@ -247,8 +247,9 @@ def _counters(device: torch.device) -> torch.Tensor:
             # memory allocated in a capture belongs to that graph's pool
             raise RuntimeError("run the LoRA decode kernels once before capturing a CUDA "
                                "graph of them")
-        _COUNTERS[device] = torch.zeros(3 * triton.cdiv(MAX_ROWS, 16), dtype=torch.int32,
-                                        device=device)
+        # One per (member, row tile): above TILE_ROWS rows, tiles of PIPELINED_ROWS; else one.
+        _COUNTERS[device] = torch.zeros(3 * triton.cdiv(MAX_ROWS, PIPELINED_ROWS),
+                                        dtype=torch.int32, device=device)
     return _COUNTERS[device]
 
 
