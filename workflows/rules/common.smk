@@ -60,6 +60,19 @@ def _check_models():
                                 "hub id (org/name), a packaged GGUF name nor arch:NAME")
 
 
+def gpu_names() -> list[str]:
+    """The GPUs nvidia-smi sees here, by name (none where it is missing or fails)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        listed = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [name.strip() for name in listed.splitlines() if name.strip()]
+
+
 def check_gpu():
     """A GPU configuration on a machine without one fails before its first job (onstart:
     real runs only), unless jobs run on other machines (a cluster executor)."""
@@ -68,9 +81,7 @@ def check_gpu():
     plugin = workflow.executor_plugin
     if plugin is not None and plugin.name not in ("local", "touch"):
         return
-    smi = shutil.which("nvidia-smi")
-    found = smi and subprocess.run([smi, "-L"], capture_output=True, text=True).stdout.strip()
-    if not found:
+    if not gpu_names():
         raise WorkflowError("this configuration runs on a CUDA GPU (device: cuda) and none is "
                             "visible here: use the smoke config, a GPU machine, or a cluster "
                             "profile (--profile workflows/profiles/slurm)")

@@ -74,12 +74,7 @@ def say_where_results_are():
 def _card() -> str:
     if DEVICE != "cuda":
         return "cpu"
-    try:
-        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                               capture_output=True, text=True, timeout=60).stdout.split("\n")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown (no nvidia-smi)"
-    return ", ".join(sorted({n.strip() for n in names if n.strip()})) or "unknown"
+    return ", ".join(sorted(set(gpu_names()))) or "unknown (nvidia-smi sees no GPU)"
 
 
 def _commit() -> str | None:
