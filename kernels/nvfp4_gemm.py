@@ -113,8 +113,8 @@ def supports(k: int, scale: torch.Tensor, pairs: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class Launch:
-    """A launch's shape: tokens a block multiplies (wgmma's N: 64 or 128) and blocks, each
-    an equal run of the (tile, quad) units (stream-K)."""
+    """A launch's shape: tokens a block multiplies (wgmma's N: one of TOKEN_TILES) and
+    blocks, each an equal run of the (tile, quad) units (stream-K)."""
 
     token_tile: int
     blocks: int
@@ -126,11 +126,28 @@ def units(m: int, n: int, k: int, token_tile: int) -> int:
     return -(-m // token_tile) * -(-n // ROWS) * (k // layout.TILE_WEIGHTS)
 
 
-def launch_for(m: int, n: int, k: int, num_sms: int) -> Launch:
-    """The launch shape (kernels/DESIGN.md): 64 tokens a block (two blocks an SM) up to 64
-    rows, 128 beyond; as many blocks as fit on the GPU at once, but no fewer than MIN_UNITS
-    units each."""
-    bm = 64 if m <= 64 else 128
+TOKEN_TILES = (64, 128, 192, 256)  # the kernel's instances (wgmma N)
+# A pass over the weight costs about as much as this many tokens more than its tile: each
+# pass loads and decodes the whole weight. Fitted to `qerl bench token-tiles` (the big
+# layers, where the choice matters).
+PASS_TOKENS = 72
+
+
+def token_tile(m: int) -> int:
+    """The token tile for m rows (kernels/DESIGN.md): 64 up to 64 rows (two blocks an SM);
+    above, of 128, 192 and 256 the one whose passes over the weight cost least, a pass
+    costing its tile plus PASS_TOKENS (ties: the wider): 192 for 129-192 rows, 256 for
+    193-256, two of 192 for 257-384."""
+    if m <= TOKEN_TILES[0]:
+        return TOKEN_TILES[0]
+    return min(TOKEN_TILES[1:], key=lambda bm: (-(-m // bm) * (bm + PASS_TOKENS), -bm))
+
+
+def launch_for(m: int, n: int, k: int, num_sms: int, bm: int | None = None) -> Launch:
+    """The launch shape (kernels/DESIGN.md): ``bm`` tokens a block (default
+    ``token_tile(m)``; two blocks an SM for 64, one otherwise); as many blocks as fit on
+    the GPU at once, but no fewer than MIN_UNITS units each."""
+    bm = bm or token_tile(m)
     per_sm = 2 if bm == 64 else 1
     work = units(m, n, k, bm)
     return Launch(bm, max(1, min(num_sms * per_sm, -(-work // MIN_UNITS))))

@@ -40,6 +40,7 @@ def _quantize(args: argparse.Namespace) -> None:
 BENCHMARKS = {
     "kernels": "qerl.bench.kernels",
     "kernel-paths": "qerl.bench.kernel_paths",
+    "token-tiles": "qerl.bench.token_tiles",
     "quantize": "qerl.bench.quantize",
     "fidelity": "qerl.bench.fidelity",
     "memory": "qerl.bench.memory",

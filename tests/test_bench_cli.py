@@ -14,7 +14,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
-@pytest.mark.parametrize("what", ["kernels", "kernel-paths", "memory", "rollout",
+@pytest.mark.parametrize("what", ["kernels", "kernel-paths", "token-tiles", "memory", "rollout",
                                   "decode-step", "step"])
 def test_gpu_benchmarks_name_the_missing_gpu(what):
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):

@@ -24,7 +24,7 @@ from qerl.record import append_rows, per_card, provenance
 
 MODELS = ("qwen2.5-7b", "qwen2.5-32b")
 LAYERS = ("qkv", "gate_up", "down")
-M_VALUES = (1, 16, 32, 48, 64, 96, 128, 192, 256, 512)
+M_VALUES = (1, 16, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048)
 
 
 def paths(op: str, a: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor

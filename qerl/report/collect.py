@@ -13,7 +13,7 @@ committed files and the workflow's ``bench/NAME/`` folders are read):
     science       science/MODEL/VARIANT/seedN/metrics.csv     + provenance.json, config.yaml
     held-out      science/MODEL/VARIANT/seedN/eval/summary.csv
     entropy       science/MODEL/entropy/entropy_CARD.csv
-    rollout, kernels, kernel_paths, decode_step, step (efficiency_CARD.csv), memory,
+    rollout, kernels, kernel_paths, token_tiles, decode_step, step (efficiency_CARD.csv), memory,
     quantize, fidelity, footprint: bench/**/NAME_*.csv (or NAME.csv)
 
 A number's ``key()`` (kind/model/recipe/method/bench/metric) names it uniquely and stably,
@@ -111,7 +111,7 @@ def _entropy(path: Path):
     return frame.assign(model=path.parts[-3]), [path]
 
 
-def _kernel_paths(path: Path):
+def _model_layer(path: Path):
     frame = pd.read_csv(path)
     model_layer = frame.layer.str.rsplit(".", n=1, expand=True)
     return frame.assign(model=model_layer[0], layer=model_layer[1]), [path]
@@ -216,9 +216,11 @@ KINDS = {
                     metrics=("tok_per_s", "peak_gb")),
     "kernels": Kind(("bench/**/kernels_*.csv",), method="op", setting=("layer", "M"),
                     metrics=("speedup_vs_bf16", "ours_us", "bf16_us", "triton_fused_us")),
-    "kernel_paths": Kind(("bench/**/kernel_paths_*.csv",), _kernel_paths, method="path",
+    "kernel_paths": Kind(("bench/**/kernel_paths_*.csv",), _model_layer, method="path",
                          setting=("layer", "op", "M"),
                          metrics=("speedup_vs_bf16", "us", "bf16_us")),
+    "token_tiles": Kind(("bench/**/token_tiles_*.csv",), _model_layer, method="token_tile",
+                        setting=("layer", "M"), metrics=("speedup_vs_bf16", "us", "bf16_us")),
     "decode_step": Kind(("bench/**/decode_step_*.csv",), method="weights",
                         setting=("lora_rank", "fused", "batch", "context"),
                         metrics=("step_ms", "kernels")),

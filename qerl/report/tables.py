@@ -225,6 +225,9 @@ kernels = _speedup_by_m("kernels", ["layer"], "op", "NVFP4 matmul speed-up over 
 kernel_paths = _speedup_by_m("kernel_paths", ["layer", "op"], "path",
                              "Each path of the NVFP4 matmul over cuBLAS BF16, a column per M: "
                              "where the fastest path changes is a crossover.")
+token_tiles = _speedup_by_m("token_tiles", ["layer"], "token_tile",
+                            "The Hopper GEMM over cuBLAS BF16 by token tile, a column per M: "
+                            "what nvfp4_gemm.token_tile chooses from.")
 
 
 def decode_step(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -261,6 +264,7 @@ def efficiency(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
 TABLES = {
     "accuracy": accuracy, "external": external, "training": training, "science": science,
     "entropy": entropy, "rollout": rollout, "kernels": kernels, "kernel_paths": kernel_paths,
+    "token_tiles": token_tiles,
     "decode_step": decode_step, "efficiency": efficiency,
     **{kind: listing(kind) for kind in ("memory", "quantize", "fidelity", "footprint")},
 }

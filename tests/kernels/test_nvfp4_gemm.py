@@ -51,7 +51,7 @@ def test_the_copy_kernel_orders_and_pads_as_the_definition_and_zeroes_the_flags(
 @pytest.mark.parametrize(("n", "k"), [(37888, 3584), (3584, 18944), (200, 384)])
 def test_launch_shapes_fill_the_gpu_with_no_block_idle(m, n, k):
     launch = gemm.launch_for(m, n, k, 132)
-    assert launch.token_tile in (64, 128) and (m > 64 or launch.token_tile == 64)
+    assert launch.token_tile == gemm.token_tile(m) in gemm.TOKEN_TILES
     work = gemm.units(m, n, k, launch.token_tile)
     slots = 132 * (2 if launch.token_tile == 64 else 1)
     assert 1 <= launch.blocks <= min(slots, work)
@@ -111,7 +111,7 @@ def test_every_instance_matches_float64(poisoned, dtype, n, k):
         x = torch.randn(m, k, generator=gen).to(dtype).cuda()
         bias = torch.randn(n, generator=gen).to(dtype).cuda()
         ref = x.double() @ w64.T + bias.double()
-        for bm in (64, 128):
+        for bm in gemm.TOKEN_TILES:
             work = gemm.units(m, n, k, bm)
             for blocks in sorted({1, 2, 3, min(work, 7), min(work, 132), work}):
                 launch = gemm.Launch(bm, blocks)
@@ -170,7 +170,7 @@ def test_a_group_of_weights_matches_float64_side_by_side(poisoned, dtype):
         x = torch.randn(m, k, generator=gen).to(dtype).cuda()
         refs = [x.double() @ nvfp4.dequantize(q, torch.float64).T + b.double()
                 for (q, _), b in zip(members, biases, strict=True)]
-        for launch in (None, gemm.Launch(64, 5), gemm.Launch(128, 2)):
+        for launch in (None, gemm.Launch(64, 5), gemm.Launch(128, 2), gemm.Launch(256, 3)):
             out = gemm.linear_group(x, weights, k, launch)
             assert out.shape == (m, sum(ns))
             starts = (0, 384, 512, 584)
@@ -186,3 +186,13 @@ def test_a_group_of_weights_matches_float64_side_by_side(poisoned, dtype):
     for (q, _), b, out in zip(members, biases, outs, strict=True):
         ref = x.double() @ nvfp4.dequantize(q, torch.float64).T + b.double()
         assert ((out.double() - ref).norm() / ref.norm()).item() < tol, f"seed {seed}"
+
+
+def test_the_token_tile_makes_the_cheapest_passes_over_the_weight():
+    """64 up to 64 rows; above, one pass of the tile that holds the rows (no wider than
+    256), then the tiles whose passes cost least: two of 192 for 257-384 rows, not two of
+    256 nor three of 128."""
+    assert [gemm.token_tile(m) for m in (1, 64, 65, 128, 129, 192, 193, 256)] == [
+        64, 64, 128, 128, 192, 192, 256, 256]
+    assert [gemm.token_tile(m) for m in (257, 384, 385, 512, 2048, 9000)] == [
+        192, 192, 256, 256, 256, 256]

@@ -30,7 +30,8 @@ def test_every_committed_file_is_read(committed):
 # measurement of it is one cell.
 SPREAD = {"rollout": ("tok_per_s", ("bf16", "nvfp4", "nf4", "hf-bf16")),
           "decode_step": ("step_ms", ("bf16", "nvfp4")),
-          "kernels": ("speedup_vs_bf16", "M="), "kernel_paths": ("speedup_vs_bf16", "M=")}
+          "kernels": ("speedup_vs_bf16", "M="), "kernel_paths": ("speedup_vs_bf16", "M="),
+          "token_tiles": ("speedup_vs_bf16", "M=")}
 # Kinds whose table has a row per run (per variant of the study).
 PER_RUN = {"train": ["model", "recipe", "method"], "science": ["model", "recipe"]}
 

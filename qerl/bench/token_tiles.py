@@ -1,0 +1,81 @@
+"""Time the Hopper NVFP4 GEMM with each token tile at each M, cuBLAS BF16 in the same run:
+the measurements ``PASS_TOKENS`` in nvfp4_gemm.py (which tile ``token_tile`` picks) is
+fitted to.
+
+    qerl bench token-tiles               # -> results/bench/token_tiles_<card>.csv
+    qerl bench token-tiles --models qwen2.5-7b --layers gate_up --m 160,192,256
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from qerl.bench.kernels import layer_shapes, rotating, time_us
+from qerl.formats import nvfp4
+from qerl.kernels import nvfp4_gemm as gemm
+from qerl.kernels import nvfp4_layout as layout
+from qerl.record import append_rows, per_card, provenance
+
+MODELS = ("qwen2.5-7b", "qwen2.5-32b")
+LAYERS = ("gate_up", "down")
+M_VALUES = (96, 128, 160, 192, 256, 320, 384, 512, 1024, 2048)
+
+
+def measure(n: int, k: int, m_values) -> list[dict]:
+    """Rows of one (N, K) weight: each M and token tile against cuBLAS BF16, the blocks as
+    ``launch_for`` sets them."""
+    q = nvfp4.quantize(torch.randn(n, k, device="cuda") * 0.02)
+    pairs = layout.to_pairs(q.packed)
+    weight = rotating(lambda: (pairs.clone(), q.scale.clone(), q.global_scale.clone()),
+                      n * k * 9 // 16)
+    dense = rotating(lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16), 2 * n * k)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for m in m_values:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        bf16 = time_us(lambda a=a: a @ dense().T)
+        chosen = gemm.token_tile(m)
+        for bm in gemm.TOKEN_TILES[1:]:
+            launch = gemm.launch_for(m, n, k, sms, bm)
+            us = time_us(lambda a=a, launch=launch: gemm.linear(a, *weight(), None, k, launch))
+            rows.append({"M": m, "N": n, "K": k, "token_tile": bm, "chosen": int(bm == chosen),
+                         "us": round(us, 2), "bf16_us": round(bf16, 2),
+                         "speedup_vs_bf16": round(bf16 / us, 3)})
+        print(f"{n}x{k} M={m}: bf16 {bf16:.1f} us, " + ", ".join(
+            f"{r['token_tile']} {r['us']:.1f}" for r in rows[-3:]), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="qerl bench token-tiles", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", type=Path, default=Path("results/bench"))
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--layers", default=",".join(LAYERS), help="of qkv, o, gate_up, down")
+    parser.add_argument("--m", default=",".join(map(str, M_VALUES)), help="M values")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("qerl bench token-tiles: needs a CUDA GPU (none found)")
+    if not gemm.available(torch.device("cuda")):
+        raise SystemExit("qerl bench token-tiles: the Hopper GEMM cannot run here: "
+                         f"{gemm.unavailable_reason(torch.device('cuda'))}")
+    base = provenance("cuda")
+    path = args.out_dir / per_card("token_tiles", base["card"])
+    m_values = [int(m) for m in args.m.split(",")]
+    for arch in args.models.split(","):
+        shapes = layer_shapes(arch)
+        for layer in args.layers.split(","):
+            if layer not in shapes:
+                raise SystemExit(f"qerl bench token-tiles: no layer {layer!r}; the layers "
+                                 f"are {', '.join(shapes)}")
+            rows = measure(*shapes[layer], m_values)
+            append_rows(path, [{**base, "layer": f"{arch}.{layer}", **row} for row in rows])
+            torch.cuda.empty_cache()
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
