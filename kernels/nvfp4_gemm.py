@@ -134,7 +134,7 @@ PASS_TOKENS = 72
 
 
 def token_tile(m: int) -> int:
-    """The token tile for m rows (kernels/DESIGN.md): 64 up to 64 rows (two blocks an SM);
+    """The token tile for m rows (kernels/DESIGN.md): 64 up to 64 rows;
     above, of 128, 192 and 256 the one whose passes over the weight cost least, a pass
     costing its tile plus PASS_TOKENS (ties: the wider): 192 for 129-192 rows, 256 for
     193-256, two of 192 for 257-384."""
@@ -145,12 +145,11 @@ def token_tile(m: int) -> int:
 
 def launch_for(m: int, n: int, k: int, num_sms: int, bm: int | None = None) -> Launch:
     """The launch shape (kernels/DESIGN.md): ``bm`` tokens a block (default
-    ``token_tile(m)``; two blocks an SM for 64, one otherwise); as many blocks as fit on
+    ``token_tile(m)``); a block an SM, as many blocks as there are SMs,
     the GPU at once, but no fewer than MIN_UNITS units each."""
     bm = bm or token_tile(m)
-    per_sm = 2 if bm == 64 else 1
     work = units(m, n, k, bm)
-    return Launch(bm, max(1, min(num_sms * per_sm, -(-work // MIN_UNITS))))
+    return Launch(bm, max(1, min(num_sms, -(-work // MIN_UNITS))))
 
 
 MAX_MEMBERS = 3  # weights one launch multiplies side by side
