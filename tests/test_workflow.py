@@ -58,6 +58,11 @@ def config(name: str) -> dict:
     # its held-out evaluation; the entropy study; on top of gpu's model and data.
     ("gpu science", {"science_train": 36, "science_held_out": 36, "science_entropy": 1,
                      "nvfp4_dequantized": 1, "nvfp4_noised": 1}),
+    # The paper's DAG at two random shapes: 2 models x 2 recipes x 4 methods, less 7B's full
+    # fine-tunes; five benchmarks from local files; base evaluations at 3B.
+    ("rehearsal", {"export_bf16": 2, "quantize": 2, "train": 14, "eval_trained": 14,
+                   "eval_base": 4, "lm_eval_gsm8k": 1, "lighteval_math": 1, "bench": 5,
+                   "report": 1}),
     # 4 models x 2 recipes x 4 methods, less the 7 full fine-tunes the paper did not run.
     ("paper", {"quantize": 4, "train": 25, "eval_trained": 25, "eval_base": 8,
                "lm_eval_gsm8k": 4, "lighteval_math": 4, "side_env": 2, "bench": 5}),
@@ -68,6 +73,20 @@ def test_each_configuration_lists_its_jobs(name, expected):
     assert done.returncode == 0, done.stderr[-3000:]
     counts = job_counts(done.stdout + done.stderr)
     assert {job: counts.get(job) for job in expected} == expected
+
+
+def test_a_recipes_own_settings_reach_its_runs_only():
+    done = snakemake("-n", "-p", "--forceall", "--configfile",
+                     "workflows/config/rehearsal.yaml", "--",
+                     "results/rehearsal/train/qwen2.5-3b/bigmath/lora/metrics.csv",
+                     "results/rehearsal/train/qwen2.5-3b/gsm8k/lora/metrics.csv")
+    assert done.returncode == 0, done.stderr[-3000:]
+    commands = [line for line in (done.stdout + done.stderr).splitlines()
+                if "qerl train" in line]
+    bigmath, gsm8k = (next(c for c in commands if f"/{r}/lora" in c) for r in ("bigmath", "gsm8k"))
+    assert "--set data.path=tests/data/dapo_math_17k_head200.jsonl" in bigmath
+    assert "--set data.path=tests/data/gsm8k_train_head200.jsonl" in gsm8k
+    assert "dapo" not in gsm8k and "--set train.max_steps=2" in gsm8k
 
 
 def test_one_target_reruns_alone():
@@ -103,6 +122,8 @@ def test_side_environments_install_from_a_wheelhouse_without_an_index(tmp_path):
     (lambda c: c.update(models={"m": "./no/such/model"}), "does not exist"),
     (lambda c: c["train"].update(models=["other"]), "train.models names 'other'"),
     (lambda c: c.update(tokenizers={}), "random weights need tokenizers.tiny"),
+    (lambda c: c["train"].update(recipe_set={"arithmtic": {}}),
+     "train.recipe_set names 'arithmtic', which is not in train.recipes"),
 ])
 def test_bad_configurations_fail_before_any_job(tmp_path, change, message):
     bad = config("smoke")  # a whole configuration: given files replace smoke.yaml

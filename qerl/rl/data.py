@@ -48,7 +48,9 @@ TASKS = (*HUB, "arithmetic")
 ID_COLUMNS = ("id", "unique_id", "problem_id", "ID")  # the schemas' own problem ids
 # Copies in the repository, for machines without the hub (provenance: tests/data/README.md).
 LOCAL_FILES = ("tests/data/gsm8k_test.jsonl", "tests/data/math500_test.jsonl",
-               "tests/data/gsm8k_train_head200.jsonl", "tests/data/dapo_math_17k_head200.jsonl")
+               "tests/data/aime24_test.jsonl", "tests/data/aime25_test.jsonl",
+               "tests/data/amc23_test.jsonl", "tests/data/gsm8k_train_head200.jsonl",
+               "tests/data/dapo_math_17k_head200.jsonl")
 
 
 def final_answer(answer) -> str:

@@ -74,3 +74,17 @@ def test_arithmetic_is_reproducible_and_harder_by_level():
     assert sizes == sorted(sizes)
     task = load_task("arithmetic", level=2, size=64, seed=0)
     assert len(task) == 64 and all(a.lstrip("-").isdigit() for a in task["answer"])
+
+
+@pytest.mark.parametrize(("task", "rows", "first_id", "first_answer"), [
+    ("aime24", 30, "60", "204"), ("aime25", 30, "0", "70"), ("amc23", 40, "0", "27.0")])
+def test_the_competition_copies_load_with_their_ids(task, rows, first_id, first_answer):
+    """AIME24/25 and AMC23 offline (tests/data/README.md): every problem, its own id where
+    the file has one, and AMC's float golds graded as the integers they are."""
+    from qerl.rl.rewards import is_correct
+
+    data = load_task(task, path=DATA / f"{task}_test.jsonl", split=None)
+    assert len(data) == rows
+    assert (data[0]["source_id"], data[0]["answer"]) == (first_id, first_answer)
+    if task == "amc23":
+        assert is_correct("\\boxed{27}", data[0]["answer"])

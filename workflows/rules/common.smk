@@ -88,7 +88,7 @@ def check_gpu():
 
 
 def _check_names():
-    """Every model a stage names must be among `models`."""
+    """Every model a stage names must be among `models`, every recipe among the recipes."""
     named = {"train.models": config.get("train", {}).get("models", []),
              "eval.base_models": config.get("eval", {}).get("base_models", []),
              "base_eval.models": config.get("base_eval", {}).get("models", []),
@@ -98,6 +98,12 @@ def _check_names():
             if name not in MODELS:
                 raise WorkflowError(f"{where} names {name!r}, which is not in models "
                                     f"({', '.join(MODELS)})")
+    train = config.get("train", {})
+    recipes = train.get("recipes", {})
+    for recipe in train.get("recipe_set", {}):
+        if recipe not in recipes:
+            raise WorkflowError(f"train.recipe_set names {recipe!r}, which is not in "
+                                f"train.recipes ({', '.join(recipes)})")
 
 
 _check_models()

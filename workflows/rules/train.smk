@@ -18,10 +18,12 @@ def recipe_file(wildcards):
 
 def train_overrides(wildcards):
     """--set options: the model, method, run folder, the method's learning rate and the
-    configuration's own overrides (e.g. fewer steps in smoke)."""
+    configuration's own overrides (e.g. fewer steps in smoke), then the recipe's (e.g. its
+    data from a local file)."""
     sets = {"model": policy_model(wildcards), "method": wildcards.method,
             "output_dir": f"{WORK}/runs/{wildcards.model}/{wildcards.recipe}/{wildcards.method}",
-            "device": DEVICE, **TRAIN.get("set", {})}
+            "device": DEVICE, **TRAIN.get("set", {}),
+            **TRAIN.get("recipe_set", {}).get(wildcards.recipe, {})}
     rate = TRAIN.get("learning_rates", {}).get(wildcards.method)
     if rate is not None:
         sets["train.learning_rate"] = rate
