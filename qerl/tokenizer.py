@@ -20,8 +20,15 @@ def load_tokenizer(source: str | Path):
 
     gguf = gguf_path(str(source))
     if gguf is not None:
-        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    return AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and type(backend.model).__name__ == "BPE":
+        # transformers skips the space clean-up for BPE anyway (it would strip real spaces)
+        # and warns once a run that it does: say so up front instead.
+        tokenizer.clean_up_tokenization_spaces = False
+    return tokenizer
 
 
 def policy_tokenizer(policy, directory: Path, source: str | None = None, cpu: bool = False):
