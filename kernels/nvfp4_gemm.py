@@ -145,8 +145,8 @@ def token_tile(m: int) -> int:
 
 def launch_for(m: int, n: int, k: int, num_sms: int, bm: int | None = None) -> Launch:
     """The launch shape (kernels/DESIGN.md): ``bm`` tokens a block (default
-    ``token_tile(m)``); a block an SM, as many blocks as there are SMs,
-    the GPU at once, but no fewer than MIN_UNITS units each."""
+    ``token_tile(m)``); a block an SM, as many blocks as there are SMs but no fewer than
+    MIN_UNITS units each."""
     bm = bm or token_tile(m)
     work = units(m, n, k, bm)
     return Launch(bm, max(1, min(num_sms, -(-work // MIN_UNITS))))

@@ -105,3 +105,15 @@ def test_the_footprint_refuses_what_it_does_not_model(tmp_path):
         main(["bench", "footprint", "--methods", "full", "--out-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="does not exist"):
         main(["bench", "footprint", "--measured", str(tmp_path / "x.csv")])
+
+
+def test_layer_sweeps_refuse_a_layer_a_model_lacks_before_measuring():
+    from qerl.bench.kernels import model_layers
+
+    grid = model_layers("kernel-paths", "qwen2.5-7b,qwen2.5-32b", "gate_up,down")
+    assert [(arch, layer) for arch, layer, _ in grid] == [
+        ("qwen2.5-7b", "gate_up"), ("qwen2.5-7b", "down"), ("qwen2.5-32b", "gate_up"),
+        ("qwen2.5-32b", "down")]
+    assert grid[0][2] == (37888, 3584)
+    with pytest.raises(SystemExit, match=r"qerl bench token-tiles: no layer \['gateup'\]"):
+        model_layers("token-tiles", "qwen2.5-7b", "gate_up,gateup")

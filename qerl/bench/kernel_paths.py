@@ -11,12 +11,9 @@ into the ``crossovers.json`` the package ships).
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import torch
 
-from qerl.bench.kernels import copy_bandwidth, layer_shapes, rotating, time_us
+from qerl.bench.kernels import copy_bandwidth, model_layers, rotating, sweep_arguments, time_us
 from qerl.formats import nvfp4
 from qerl.kernels import nvfp4_layout as layout
 from qerl.kernels import nvfp4_matmul as km
@@ -62,31 +59,16 @@ def measure(n: int, k: int, m_values, bandwidth: float) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="qerl bench kernel-paths", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out-dir", type=Path, default=Path("results/bench"))
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--layers", default=",".join(LAYERS), help="of qkv, o, gate_up, down")
-    parser.add_argument("--m", default=",".join(map(str, M_VALUES)), help="M values")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("qerl bench kernel-paths: needs a CUDA GPU (none found)")
+    args = sweep_arguments("kernel-paths", __doc__, MODELS, LAYERS, M_VALUES, argv)
+    grid = model_layers("kernel-paths", args.models, args.layers)
     bandwidth = copy_bandwidth()
     base = provenance("cuda")
     path = args.out_dir / per_card("kernel_paths", base["card"])
-    m_values = [int(m) for m in args.m.split(",")]
-    layers = args.layers.split(",")
-    for arch in args.models.split(","):
-        shapes = layer_shapes(arch)
-        unknown = set(layers) - set(shapes)
-        if unknown:
-            raise SystemExit(f"qerl bench kernel-paths: no layer {sorted(unknown)}; the layers "
-                             f"are {', '.join(shapes)}")
-        for layer in layers:
-            rows = measure(*shapes[layer], m_values, bandwidth)
-            append_rows(path, [{**base, "copy_gbps": round(bandwidth / 1e9, 1),
-                                "layer": f"{arch}.{layer}", **row} for row in rows])
-            torch.cuda.empty_cache()
+    for arch, layer, shape in grid:
+        rows = measure(*shape, args.m, bandwidth)
+        append_rows(path, [{**base, "copy_gbps": round(bandwidth / 1e9, 1),
+                            "layer": f"{arch}.{layer}", **row} for row in rows])
+        torch.cuda.empty_cache()
     print(path)
 
 

@@ -45,6 +45,40 @@ def layer_shapes(arch: str) -> dict[str, tuple[int, int]]:
             "down": (c.hidden_size, c.intermediate_size)}
 
 
+def sweep_arguments(prog: str, doc: str, models, layers, m_values,
+                    argv: list[str] | None) -> argparse.Namespace:
+    """The options of ``qerl bench PROG``, a sweep over models' layers and M (--out-dir,
+    --models, --layers: None for every layer, --m as a list of ints), parsed; refuses a
+    machine without a GPU."""
+    parser = argparse.ArgumentParser(prog=f"qerl bench {prog}", description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", type=Path, default=Path("results/bench"))
+    parser.add_argument("--models", default=",".join(models))
+    parser.add_argument("--layers", default=",".join(layers) if layers else None,
+                        help="comma-separated, of qkv, o, gate_up, down"
+                             + ("" if layers else " (default: every one)"))
+    parser.add_argument("--m", default=",".join(map(str, m_values)), help="M values")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit(f"qerl bench {prog}: needs a CUDA GPU (none found)")
+    args.m = [int(m) for m in args.m.split(",")]
+    return args
+
+
+def model_layers(prog: str, models: str, layers: str) -> list[tuple[str, str, tuple[int, int]]]:
+    """(model, layer, (N, K)) for each of the comma-separated models and layers; a layer a
+    model lacks is refused before anything is measured."""
+    grid = []
+    for arch in models.split(","):
+        shapes = layer_shapes(arch)
+        unknown = sorted(set(layers.split(",")) - set(shapes))
+        if unknown:
+            raise SystemExit(f"qerl bench {prog}: no layer {unknown}; the layers are "
+                             f"{', '.join(shapes)}")
+        grid += [(arch, layer, shapes[layer]) for layer in layers.split(",")]
+    return grid
+
+
 def copy_bandwidth() -> float:
     """Bytes read + written per second by a 1 GiB device-to-device copy."""
     import triton.testing
@@ -162,16 +196,8 @@ def run(out_dir: Path, models=MODELS, m_values=M_VALUES, layers=None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="qerl bench kernels", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out-dir", type=Path, default=Path("results/bench"))
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--layers", default=None, help="subset, e.g. gate_up,down")
-    parser.add_argument("--m", default=",".join(map(str, M_VALUES)), help="M values")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("qerl bench kernels: needs a CUDA GPU (none found)")
-    path = run(args.out_dir, args.models.split(","), [int(m) for m in args.m.split(",")],
+    args = sweep_arguments("kernels", __doc__, MODELS, None, M_VALUES, argv)
+    path = run(args.out_dir, args.models.split(","), args.m,
                args.layers.split(",") if args.layers else None)
     print(summary("kernels", path))
     print(path)

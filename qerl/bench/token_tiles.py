@@ -8,12 +8,9 @@ fitted to.
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import torch
 
-from qerl.bench.kernels import layer_shapes, rotating, time_us
+from qerl.bench.kernels import model_layers, rotating, sweep_arguments, time_us
 from qerl.formats import nvfp4
 from qerl.kernels import nvfp4_gemm as gemm
 from qerl.kernels import nvfp4_layout as layout
@@ -38,42 +35,31 @@ def measure(n: int, k: int, m_values) -> list[dict]:
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         bf16 = time_us(lambda a=a: a @ dense().T)
         chosen = gemm.token_tile(m)
+        timed = {}
         for bm in gemm.TOKEN_TILES[1:]:
             launch = gemm.launch_for(m, n, k, sms, bm)
-            us = time_us(lambda a=a, launch=launch: gemm.linear(a, *weight(), None, k, launch))
-            rows.append({"M": m, "N": n, "K": k, "token_tile": bm, "chosen": int(bm == chosen),
-                         "us": round(us, 2), "bf16_us": round(bf16, 2),
-                         "speedup_vs_bf16": round(bf16 / us, 3)})
-        print(f"{n}x{k} M={m}: bf16 {bf16:.1f} us, " + ", ".join(
-            f"{r['token_tile']} {r['us']:.1f}" for r in rows[-3:]), flush=True)
+            timed[bm] = time_us(lambda a=a, launch=launch: gemm.linear(a, *weight(), None, k,
+                                                                         launch))
+        rows += [{"M": m, "N": n, "K": k, "token_tile": bm, "chosen": int(bm == chosen),
+                  "us": round(us, 2), "bf16_us": round(bf16, 2),
+                  "speedup_vs_bf16": round(bf16 / us, 3)} for bm, us in timed.items()]
+        print(f"{n}x{k} M={m}: bf16 {bf16:.1f} us, "
+              + ", ".join(f"{bm} {us:.1f}" for bm, us in timed.items()), flush=True)
     return rows
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="qerl bench token-tiles", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out-dir", type=Path, default=Path("results/bench"))
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--layers", default=",".join(LAYERS), help="of qkv, o, gate_up, down")
-    parser.add_argument("--m", default=",".join(map(str, M_VALUES)), help="M values")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("qerl bench token-tiles: needs a CUDA GPU (none found)")
+    args = sweep_arguments("token-tiles", __doc__, MODELS, LAYERS, M_VALUES, argv)
+    grid = model_layers("token-tiles", args.models, args.layers)
     if not gemm.available(torch.device("cuda")):
         raise SystemExit("qerl bench token-tiles: the Hopper GEMM cannot run here: "
                          f"{gemm.unavailable_reason(torch.device('cuda'))}")
     base = provenance("cuda")
     path = args.out_dir / per_card("token_tiles", base["card"])
-    m_values = [int(m) for m in args.m.split(",")]
-    for arch in args.models.split(","):
-        shapes = layer_shapes(arch)
-        for layer in args.layers.split(","):
-            if layer not in shapes:
-                raise SystemExit(f"qerl bench token-tiles: no layer {layer!r}; the layers "
-                                 f"are {', '.join(shapes)}")
-            rows = measure(*shapes[layer], m_values)
-            append_rows(path, [{**base, "layer": f"{arch}.{layer}", **row} for row in rows])
-            torch.cuda.empty_cache()
+    for arch, layer, shape in grid:
+        rows = measure(*shape, args.m)
+        append_rows(path, [{**base, "layer": f"{arch}.{layer}", **row} for row in rows])
+        torch.cuda.empty_cache()
     print(path)
 
 
