@@ -3,7 +3,7 @@
 # (Ubuntu 24.04's Python 3.12, venvs, no conda; every package version pinned).
 #
 # Build, from the repository root:
-#   docker build -t qerl .
+#   docker build --build-arg QERL_COMMIT=$(git rev-parse HEAD) -t qerl .
 # Run (needs the NVIDIA Container Toolkit and a driver for CUDA 13.0, i.e. 580 or newer):
 #   docker run --gpus all -v $PWD/results:/workspace/results qerl snakemake --cores all --configfile workflows/config/gpu.yaml workflows/config/docker.yaml
 #   docker run --gpus all -v $PWD/results:/workspace/results qerl snakemake --cores all --configfile workflows/config/paper.yaml workflows/config/docker.yaml
@@ -90,7 +90,9 @@ RUN python3 -m venv /opt/envs/vllm \
 # installed package's CUDA kernel (-P: not the source tree in the working directory) for
 # Ampere, Ada, Hopper and Blackwell (no GPU needed to build), so that a container's first
 # rollout does not wait for nvcc.
-ENV CUDA_HOME=/usr/local/cuda QERL_CACHE=/opt/qerl-cache
+# The commit the image holds (its copy has no .git), for each run's record (run.json).
+ARG QERL_COMMIT=
+ENV CUDA_HOME=/usr/local/cuda QERL_CACHE=/opt/qerl-cache QERL_COMMIT=$QERL_COMMIT
 COPY . /workspace
 RUN pip install --no-cache-dir --no-deps --no-build-isolation /workspace \
     && /opt/envs/vllm/bin/pip install --no-cache-dir --no-deps --no-build-isolation /workspace \

@@ -4,6 +4,7 @@
 import csv
 import datetime
 import json
+import os
 import sys
 import time
 REPORT = config.get("report", {})
@@ -78,14 +79,19 @@ def _card() -> str:
 
 
 def _commit() -> str | None:
-    """The checkout's commit, "-dirty" when tracked files differ from it; None outside git."""
+    """The checkout's commit, "-dirty" when tracked files differ from it. A copy without git
+    (the Docker image leaves .git out) has the one it was built from in QERL_COMMIT, else
+    None."""
     def git(*args):
-        return subprocess.run(["git", "-C", workflow.basedir, *args], capture_output=True,
-                              text=True, timeout=60)
+        try:
+            return subprocess.run(["git", "-C", workflow.basedir, *args], capture_output=True,
+                                  text=True, timeout=60)
+        except FileNotFoundError:  # no git installed
+            return subprocess.CompletedProcess(args, 1)
 
     head = git("rev-parse", "HEAD")
     if head.returncode:
-        return None
+        return os.environ.get("QERL_COMMIT") or None
     dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
     return head.stdout.strip() + ("-dirty" if dirty else "")
 
