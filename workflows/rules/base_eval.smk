@@ -48,12 +48,16 @@ rule lm_eval_gsm8k:
                else "--tasks gsm8k"),
         batch=BASE_EVAL.get("batch_size", "auto"),
         limit=f"--limit {BASE_EVAL['limit']}" if BASE_EVAL.get("limit") else "",
+        # lm-eval's own cap for GSM8K is 256 tokens; max_tokens, where set, caps both tools
+        gen=(f"--gen_kwargs max_gen_toks={BASE_EVAL['max_tokens']}"
+             if BASE_EVAL.get("max_tokens") else ""),
         device=DEVICE,
     resources: gpu=USES_GPU, mem_mb=MEM_MB["medium"]
     shell:
         "{params.on_gpu}{params.bin}/lm_eval run --model hf "
         "--model_args pretrained={params.model},dtype=bfloat16 --device {params.device} "
-        "--batch_size {params.batch} {params.tasks} {params.limit} --seed 0 --log_samples "
+        "--batch_size {params.batch} {params.tasks} {params.limit} {params.gen} --seed 0 "
+        "--log_samples "
         "--output_path {output} > {log} 2>&1"
 
 
