@@ -87,7 +87,8 @@ rule lighteval_math:
     resources: gpu=USES_GPU, mem_mb=MEM_MB["medium"]
     shell:
         "{params.on_gpu}env QERL_LIGHTEVAL_DATA={params.data} "
-        "QERL_LIGHTEVAL_MAX_TOKENS={params.max_tokens} {params.bin}/lighteval accelerate "
+        "QERL_LIGHTEVAL_MAX_TOKENS={params.max_tokens} {params.bin}/python "
+        "workflows/scripts/lighteval_offline.py accelerate "
         "'model_name={params.model},device={params.device},dtype=bfloat16,"
         "batch_size={params.batch},generation_parameters={{temperature:0.0}}' "
         "'{params.tasks}' --custom-tasks workflows/scripts/lighteval_tasks.py "

@@ -16,12 +16,13 @@ def bench_out(wildcards, output):
 
 
 def bench_gpu(wildcards):
-    return int(wildcards.bench not in CPU_CAPABLE or DEVICE == "cuda")
+    """Benchmarks time the GPU: they hold one alone (every slot of it)."""
+    return max(int(wildcards.bench not in CPU_CAPABLE), WHOLE_GPU)
 
 
 rule bench:
     output: directory(f"{RESULTS}/bench/{{bench}}")
-    params: args=bench_args, out=bench_out, on_gpu=ON_GPU
+    params: args=bench_args, out=bench_out, on_gpu=ON_WHOLE_GPU
     log: f"{WORK}/logs/bench/{{bench}}.log"
     benchmark: f"{WORK}/benchmarks/bench/{{bench}}.tsv"
     resources: gpu=bench_gpu, mem_mb=MEM_MB["large"]

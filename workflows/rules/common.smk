@@ -38,8 +38,13 @@ USES_GPU = int(DEVICE == "cuda")
 # A configuration of small models says less (job_memory_mb), so that the requests fit the
 # machine it runs on.
 MEM_MB = {"large": 64000, "medium": 32000, "small": 16000, **config.get("job_memory_mb", {})}
-# GPU jobs take a GPU no other job holds (Snakemake counts GPUs but does not assign them).
-ON_GPU = f"python workflows/scripts/gpu_slot.py {WORK}/gpu-locks -- " if USES_GPU else ""
+# GPU jobs take one of a GPU's gpu_jobs slots (Snakemake counts slots, --resources gpu=N,
+# but does not assign GPUs); timed and memory-hungry ones take all of a GPU's slots.
+GPU_JOBS = config.get("gpu_jobs", 1)
+_SLOT = f"python workflows/scripts/gpu_slot.py {WORK}/gpu-locks --share {GPU_JOBS}"
+ON_GPU = f"{_SLOT} -- " if USES_GPU else ""
+ON_WHOLE_GPU = f"{_SLOT} --whole -- " if USES_GPU else ""
+WHOLE_GPU = USES_GPU * GPU_JOBS  # the slots such a job counts for
 
 
 def _check_models():
@@ -85,6 +90,12 @@ def check_gpu():
         raise WorkflowError("this configuration runs on a CUDA GPU (device: cuda) and none is "
                             "visible here: use the smoke config, a GPU machine, or a cluster "
                             "profile (--profile workflows/profiles/slurm)")
+    slots = workflow.global_resources.get("gpu")
+    slots = getattr(slots, "value", slots)  # a Resource in Snakemake 9
+    if GPU_JOBS > 1 and slots is not None and slots < GPU_JOBS:
+        raise WorkflowError(f"gpu_jobs: {GPU_JOBS} jobs share a GPU, and --resources gpu={slots} "
+                            f"counts fewer slots than one GPU has: pass --resources "
+                            f"gpu={GPU_JOBS} per GPU (benchmarks take all of a GPU's slots)")
 
 
 def _check_names():

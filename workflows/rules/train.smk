@@ -33,18 +33,25 @@ def train_overrides(wildcards):
     return " ".join(f"--set {key}={value}" for key, value in sets.items())
 
 
+def alone(wildcards):
+    """Full fine-tuning holds its GPU alone (its optimizer state alone fills most of one)."""
+    return wildcards.method == "full"
+
+
 rule train:
     input: policy_model_input, recipe=recipe_file
     output:
         metrics=f"{RESULTS}/train/{{model}}/{{recipe}}/{{method}}/metrics.csv",
         final=directory(f"{WORK}/runs/{{model}}/{{recipe}}/{{method}}/final"),
     params:
-        on_gpu=ON_GPU,
+        on_gpu=lambda wildcards: ON_WHOLE_GPU if alone(wildcards) else ON_GPU,
         sets=train_overrides,
         run=f"{WORK}/runs/{{model}}/{{recipe}}/{{method}}",
     log: f"{WORK}/logs/train/{{model}}/{{recipe}}/{{method}}.log"
     benchmark: f"{WORK}/benchmarks/train/{{model}}/{{recipe}}/{{method}}.tsv"
-    resources: gpu=USES_GPU, mem_mb=MEM_MB["large"]
+    resources:
+        gpu=lambda wildcards: WHOLE_GPU if alone(wildcards) else USES_GPU,
+        mem_mb=MEM_MB["large"],
     shell:
         "{params.on_gpu}qerl train --config {input.recipe} {params.sets} > {log} 2>&1 && "
         "cp {params.run}/metrics.csv {params.run}/config.yaml {params.run}/provenance.json "
