@@ -97,6 +97,9 @@ class TrainSection(Settings):
     # Liger-Kernel's fused RMSNorm and SwiGLU in the training forward on a GPU (qerl.nn.liger).
     liger: bool = True
     save_steps: int = Field(10, ge=1)
+    # Checkpoints kept, the newest (two: a resume still has one if the last save was cut
+    # short). A full fine-tune's hold its optimizer state, tens of GB each at 7B. None: all.
+    save_total_limit: int | None = Field(2, ge=1)
     logging_steps: int = Field(1, ge=1)
     report_to: list[Literal["tensorboard", "wandb"]] = Field(
         default_factory=lambda: ["tensorboard"])

@@ -122,7 +122,8 @@ def build_trainer(config: TrainConfig, callbacks: list | None = None):
 
 
 # Settings that may change between a run and its resumption: they change nothing learned.
-RESUMABLE = {"device", "train.report_to", "train.logging_steps", "train.save_steps"}
+RESUMABLE = {"device", "train.report_to", "train.logging_steps", "train.save_steps",
+             "train.save_total_limit"}
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

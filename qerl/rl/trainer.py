@@ -71,7 +71,8 @@ def grpo_args(config: TrainConfig, use_cpu: bool) -> GRPOConfig:
         adam_beta2=train.adam_beta2, warmup_steps=train.warmup_ratio,
         lr_scheduler_type=train.lr_scheduler, max_grad_norm=train.max_grad_norm,
         gradient_checkpointing=train.gradient_checkpointing,
-        save_strategy="steps", save_steps=train.save_steps, logging_steps=train.logging_steps,
+        save_strategy="steps", save_steps=train.save_steps,
+        save_total_limit=train.save_total_limit, logging_steps=train.logging_steps,
         report_to=list(train.report_to), use_cpu=use_cpu, bf16=not use_cpu,
         # The frozen base's buffers (NVFP4 codes and fp8 scales) are identical on every
         # process; DDP's broadcast of them is wasted, and gloo cannot send fp8.

@@ -357,6 +357,15 @@ def test_the_vllm_backend_serves_the_rollouts(chat_model, tmp_path):
     assert generates[0][2].lora_int_id != generates[1][2].lora_int_id
 
 
+def test_only_the_newest_checkpoints_are_kept(chat_model, tmp_path):
+    run(settings(chat_model, tmp_path, max_steps=3, save_steps=1))  # two by default
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2",
+                                                                    "checkpoint-3"]
+    one = tmp_path / "one"
+    run(settings(chat_model, one, max_steps=3, save_steps=1, save_total_limit=1))
+    assert [p.name for p in one.glob("checkpoint-*")] == ["checkpoint-3"]
+
+
 def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes(chat_model, tmp_path):
     """The newest checkpoint's optimizer state cut to half (a crash or a full disk while
     saving): the rerun resumes from the one before, keeps the damaged one aside, and ends
