@@ -75,15 +75,17 @@ def _collect(module: nn.Module, prefix: str, merge: bool, keep_nvfp4: bool, out:
         _collect(child, f"{prefix}{name}.", merge, keep_nvfp4, out)
 
 
-def _write_model(policy: Policy, directory: Path, tensors: dict, nvfp4_ignore=None,
+def _write_model(policy: Policy, directory: Path, tensors: dict | None, nvfp4_ignore=None,
                  tokenizer=None) -> None:
-    writer = ShardWriter(directory)
-    for name, t in tensors.items():
-        # fp32 here is a norm kept at full precision for AQN or training: stored as BF16,
-        # like the rest; NVFP4's global scale is fp32 by format.
-        keep = t.dtype != torch.float32 or name.endswith("weight_global_scale")
-        writer.add(name, t if keep else t.to(torch.bfloat16))
-    writer.close()
+    """The model's files; ``tensors`` None writes its configuration alone."""
+    if tensors is not None:
+        writer = ShardWriter(directory)
+        for name, t in tensors.items():
+            # fp32 here is a norm kept at full precision for AQN or training: stored as
+            # BF16, like the rest; NVFP4's global scale is fp32 by format.
+            keep = t.dtype != torch.float32 or name.endswith("weight_global_scale")
+            writer.add(name, t if keep else t.to(torch.bfloat16))
+        writer.close()
     settings = policy.config.to_dict()
     # The source's own quantization (GGUF, a compressed-tensors checkpoint) is gone from
     # these tensors: a stale entry would make transformers look for the old format.
@@ -116,14 +118,19 @@ def export_merged(policy: Policy, out: str | Path, overwrite: bool = False,
 
 
 def export_for_vllm(policy: Policy, out: str | Path, overwrite: bool = False,
-                    tokenizer=None) -> Path:
+                    tokenizer=None, base_weights: bool = True) -> Path:
     """``out/adapter`` (PEFT LoRA files) and ``out/base`` (NVFP4 checkpoint for ``qerl``,
-    BF16 for ``lora``)."""
+    BF16 for ``lora``). ``base_weights=False``: the BF16 base's configuration alone, for
+    vLLM's ``load_format="dummy"`` (benchmarks: a 32B BF16 base is 64 GB of disk)."""
     if policy.method not in ("qerl", "lora"):
         raise PolicyError(f"vLLM serves the qerl and lora exports; for {policy.method!r} "
                           "export a merged model")
+    if not base_weights and policy.method != "lora":
+        raise PolicyError("only a BF16 base (lora) can go without its weights: vLLM's dummy "
+                          "weights are not NVFP4 codes")
     with atomic_directory(out, overwrite, MARKER, "qerl export") as tmp:
-        tensors = base_tensors(policy, merge_lora=False, keep_nvfp4=policy.method == "qerl")
+        tensors = (base_tensors(policy, merge_lora=False, keep_nvfp4=policy.method == "qerl")
+                   if base_weights else None)
         (tmp / "base").mkdir()
         ignore = None
         if policy.method == "qerl":

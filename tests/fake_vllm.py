@@ -24,11 +24,17 @@ class FakeLLM:
     """Records requests; its 'model' is a transformers model with vLLM's parameter names."""
 
     instances: ClassVar[list] = []
+    length_factor: ClassVar[int] = 1  # 0: sequences come back empty (a broken engine)
 
     def __init__(self, model: str, **kwargs):
+        from pathlib import Path
+
         from transformers import AutoConfig
 
         self.model_path, self.kwargs, self.calls = model, kwargs, []
+        # What it was given, for tests to read after the files are gone.
+        self.files = sorted(p.name for p in Path(model).iterdir())
+        self.config_text = (Path(model) / "config.json").read_text()
         self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
         FakeLLM.instances.append(self)
 
@@ -39,11 +45,14 @@ class FakeLLM:
     def generate(self, prompts, sampling, lora_request, use_tqdm):
         from pathlib import Path
 
-        assert (Path(lora_request.lora_path) / "adapter_config.json").is_file()
+        assert lora_request is None or (
+            Path(lora_request.lora_path) / "adapter_config.json").is_file()
         self.calls.append(("generate", sampling.kwargs, lora_request))
         outs = []
         for i, prompt in enumerate(prompts):
             ids = [len(prompt["prompt_token_ids"]), 7, 9][: 2 + i % 2]
+            if "min_tokens" in sampling.kwargs:  # a benchmark's fixed length, as asked
+                ids = [7] * sampling.kwargs["min_tokens"] * self.length_factor
             steps = [{t: types.SimpleNamespace(logprob=-0.5 * (k + 1))} for k, t in
                      enumerate(ids)]
             completion = types.SimpleNamespace(token_ids=ids, logprobs=steps,
@@ -63,4 +72,5 @@ def fake_vllm(monkeypatch):
     for name, module in (("vllm", vllm), ("vllm.lora", lora), ("vllm.lora.request", request)):
         monkeypatch.setitem(sys.modules, name, module)
     FakeLLM.instances = []
+    FakeLLM.length_factor = 1
     return vllm

@@ -117,3 +117,50 @@ def test_layer_sweeps_refuse_a_layer_a_model_lacks_before_measuring():
     assert grid[0][2] == (37888, 3584)
     with pytest.raises(SystemExit, match=r"qerl bench token-tiles: no layer \['gateup'\]"):
         model_layers("token-tiles", "qwen2.5-7b", "gate_up,gateup")
+
+
+def test_vllm_rows_serve_our_exports_with_and_without_an_adapter(fake_vllm, tmp_path):
+    """vLLM's rollout rows (stand-in vLLM, CPU): the NVFP4 rows serve qerl's export, the BF16
+    rows vLLM's dummy weights of the shape; rank 0 serves no adapter; every sequence is
+    asked for and checked at the full length; the exports go when the rows are made."""
+    from qerl.bench.vllm_rollout import bench_vllm
+    from tests.fake_vllm import FakeLLM
+
+    for kind, load in (("vllm-nvfp4", "auto"), ("vllm-bf16", "dummy")):
+        FakeLLM.instances = []
+        rows = bench_vllm("tiny-llama", kind, [0, 16], [1, 3], [5], 4, tmp_path / kind,
+                          device="cpu", isolate=False)
+        assert [(r["lora_rank"], r["batch"], r["gen_len"]) for r in rows] == [
+            (0, 1, 4), (0, 3, 4), (16, 1, 4), (16, 3, 4)]
+        assert all(r["tok_per_s"] > 0 and r["peak_gb"] is None for r in rows)
+        without, with_lora = FakeLLM.instances
+        assert without.kwargs["load_format"] == with_lora.kwargs["load_format"] == load
+        assert not without.kwargs["enable_lora"] and with_lora.kwargs["enable_lora"]
+        assert with_lora.kwargs["max_lora_rank"] == 16
+        assert ("nvfp4" in with_lora.config_text) == (kind == "vllm-nvfp4")
+        weights = [f for f in with_lora.files if f.endswith(".safetensors")]
+        assert bool(weights) == (kind == "vllm-nvfp4")  # dummy BF16: the shape alone
+        _, sampling, request = with_lora.calls[-1]
+        assert sampling["min_tokens"] == sampling["max_tokens"] == 4 and sampling["ignore_eos"]
+        assert request.lora_path.endswith("r16/adapter")
+        assert without.calls[-1][2] is None
+        assert list((tmp_path / kind).iterdir()) == []
+
+
+def test_vllm_rows_refuse_a_wrong_length_and_a_missing_vllm(fake_vllm, tmp_path, monkeypatch):
+    import sys
+
+    from qerl.bench.vllm_rollout import VLLMBenchError, _isolated, bench_vllm
+    from tests.fake_vllm import FakeLLM
+
+    FakeLLM.length_factor = 0
+    with pytest.raises(VLLMBenchError, match=r"generated \[0\] tokens a sequence, not 4"):
+        bench_vllm("tiny-llama", "vllm-bf16", [0], [2], [5], 4, tmp_path, device="cpu",
+                   isolate=False)
+    assert list(tmp_path.iterdir()) == []  # the export went anyway
+    # In a process of its own (as on a GPU), a failure there comes back as an error here.
+    with pytest.raises(VLLMBenchError, match="vLLM's run failed: ModuleNotFoundError"):
+        _isolated((tmp_path, None, "vllm-bf16", [1], [5], 4, 100, 0.5))
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(VLLMBenchError, match=r"pip install 'qerl\[vllm\]'"):
+        bench_vllm("tiny-llama", "vllm-bf16", [0], [1], [5], 4, tmp_path, device="cpu")

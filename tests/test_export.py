@@ -86,6 +86,12 @@ def test_lora_exports_a_bf16_base_and_other_methods_are_refused(tiny_model_dir, 
         "model.layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
     with pytest.raises(PolicyError, match="for 'full' export a merged model"):
         export_for_vllm(build_policy("full", tiny_model_dir), tmp_path / "full")
+    shape = export_for_vllm(policy, tmp_path / "shape", base_weights=False)  # vLLM's dummy
+    assert (shape / "base" / "config.json").is_file()
+    assert not list((shape / "base").glob("*.safetensors"))
+    assert (shape / "adapter" / "adapter_config.json").is_file()
+    with pytest.raises(PolicyError, match="only a BF16 base"):
+        export_for_vllm(build_policy("qerl", tiny_model_dir), tmp_path / "q", base_weights=False)
 
 
 def test_exports_never_replace_what_qerl_did_not_write(tiny_model_dir, tmp_path):

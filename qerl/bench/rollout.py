@@ -1,11 +1,13 @@
 """Rollout throughput: the embedded engine on BF16, NVFP4 and NF4 (QLoRA's) weights (LoRA
-attached, unmerged, as during RL) and Hugging Face generate on the BF16 model, at Qwen2.5
-shapes with random weights.
+attached, unmerged, as during RL), Hugging Face generate on the BF16 model and vLLM on BF16
+and NVFP4 (qerl/bench/vllm_rollout.py), at Qwen2.5 shapes with random weights.
 
     qerl bench rollout                              # -> results/bench/rollout_<card>.csv
     qerl bench rollout --archs qwen2.5-7b --batches 1,32 --prompt-lens 256 --gen-len 1024
     qerl bench rollout --archs qwen2.5-14b --weights bf16,nvfp4,nf4 --ranks 16,32,64 \
         --batches 1 --prompt-lens 256     # the paper's throughput-by-rank figure
+    qerl bench rollout --archs qwen2.5-7b --weights bf16,nvfp4,vllm-bf16,vllm-nvfp4 \
+        --ranks 32 --batches 1,32,128     # vLLM beside the engine (and without LoRA)
     qerl report                           # its tables and figures, with the paper's numbers
 
 Every sequence runs to gen_len (EOS ignored), sampling at temperature 1; tokens/s counts
@@ -20,11 +22,15 @@ from __future__ import annotations
 
 import argparse
 import gc
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from qerl.bench.vllm_rollout import KINDS as VLLM_KINDS
+from qerl.bench.vllm_rollout import bench_vllm
 from qerl.config import LoraSettings
 from qerl.policy import build_policy
 from qerl.record import append_rows, per_card, provenance
@@ -40,20 +46,24 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def _timed(fn) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    gpu = torch.cuda.is_available()
+    if gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    if gpu:
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
-def _row(label: str, batch: int, prompt_len: int, gen_len: int, seconds: float) -> dict:
-    """A result; peak_gb is the most GPU memory allocated since the last _timed call
-    began (model, KV cache and activations: what must fit on the card)."""
+def _row(label: str, batch: int, prompt_len: int, gen_len: int, seconds: float,
+         peak: bool = True) -> dict:
+    """A result; peak_gb (with ``peak``) is the most GPU memory this process allocated since
+    the last _timed call began (model, KV cache and activations: what must fit)."""
     row = {"batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,
            "seconds": round(seconds, 3), "tok_per_s": round(batch * gen_len / seconds, 1),
-           "peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2)}
+           "peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2) if peak else None}
     print(f"  {label}batch {batch} prompt {prompt_len}: {row['tok_per_s']} tok/s", flush=True)
     return row
 
@@ -107,6 +117,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fused", default="1",
                         help="engine runs with our decode kernels (1) and/or the model's "
                              "own modules (0)")
+    parser.add_argument("--vllm-ranks", default=None,
+                        help="LoRA ranks of the vllm-* rows, 0 for no adapter (default: "
+                             "--ranks and 0)")
+    parser.add_argument("--vllm-memory", type=float, default=0.85,
+                        help="share of the card vLLM may take (its KV cache fills it)")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="where the vllm-* rows' exports go while they run (default: "
+                             "the system's temporary folder; a 32B NVFP4 one is ~20 GB)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("qerl bench rollout: needs a CUDA GPU (none found)")
@@ -114,11 +132,27 @@ def main(argv: list[str] | None = None) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     prompt_lens = [int(p) for p in args.prompt_lens.split(",")]
     weights = args.weights.split(",")
+    unknown = sorted(set(weights) - {*WEIGHTS, "hf-bf16", *VLLM_KINDS})
+    if unknown:
+        raise SystemExit(f"qerl bench rollout: unknown --weights {', '.join(unknown)}")
+    ranks = [int(r) for r in args.ranks.split(",")]
+    vllm_ranks = ([int(r) for r in args.vllm_ranks.split(",")] if args.vllm_ranks
+                  else [0, *ranks])
     path = args.out_dir / per_card("rollout", base["card"])
     for arch in args.archs.split(","):
         for kind in weights:
-            ranks = [0] if kind == "hf-bf16" else [int(r) for r in args.ranks.split(",")]
-            for rank in ranks:
+            if kind in VLLM_KINDS:
+                print(f"{arch} {kind} lora r{','.join(map(str, vllm_ranks))}", flush=True)
+                work = Path(tempfile.mkdtemp(dir=args.workdir, prefix="qerl-vllm-"))
+                try:
+                    rows = bench_vllm(arch, kind, vllm_ranks, batches, prompt_lens,
+                                      args.gen_len, work, memory=args.vllm_memory)
+                finally:
+                    shutil.rmtree(work, ignore_errors=True)
+                append_rows(path, [{**base, "model": arch, "weights": kind, "fused": None,
+                                    **row} for row in rows])
+                continue
+            for rank in [0] if kind == "hf-bf16" else ranks:
                 print(f"{arch} {kind} lora r{rank}", flush=True)
                 if kind == "hf-bf16":
                     policy = build_policy("full", arch=arch, device="cuda")

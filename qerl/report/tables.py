@@ -179,13 +179,18 @@ def entropy(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
 
 
 def rollout(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
-    """Rollout tokens/s by weights (engine; hf-bf16 is Hugging Face generate), NVFP4 over
-    BF16 from the same run, and the paper's qerl over LoRA at the same LoRA rank (its 7B
-    number names none)."""
+    """Rollout tokens/s by weights (engine; hf-bf16 is Hugging Face generate, vllm-* vLLM),
+    NVFP4 over BF16 and the engine over vLLM on the same weights, each from one run, and the
+    paper's qerl over LoRA at the same LoRA rank (its 7B number names none)."""
     ours = frames.get("rollout")
     if ours is None:
         return pd.DataFrame()
+    vllm = ours.method.str.startswith("vllm-")
+    ours = ours.assign(fused=ours.fused.where(~vllm, 1))  # beside the engine as it runs
     wide = _by_weights(ours, "rollout", "tok_per_s", "nvfp4/bf16")
+    for weights in ("bf16", "nvfp4"):
+        if {weights, f"vllm-{weights}"} <= set(wide.columns):
+            wide[f"{weights}/vllm"] = wide[weights] / wide[f"vllm-{weights}"]
     ref = paper[paper.metric == "rollout_throughput"]
     by_rank = {(paper_model(r.model), r.method, r.lora_rank): r.value for r in ref.itertuples()}
     unranked = {(paper_model(r.model), r.method): r.value for r in ref.itertuples()

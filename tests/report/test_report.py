@@ -230,3 +230,23 @@ def test_a_results_file_that_cannot_be_read_is_named(tmp_path):
     (tmp_path / "bench/rollout_x.csv").write_text('card,"model\nA,m,1\n')
     with pytest.raises(QerlError, match="rollout_x.csv: cannot be read as rollout results"):
         collect(tmp_path)
+
+
+def test_vllms_rollout_rows_sit_beside_the_engines(tmp_path):
+    """vLLM's rows (no fused setting) share the engine's row as it runs (fused 1), with our
+    rate over vLLM's on the same weights; its rows without an adapter stand alone."""
+    engine = [{"card": CARD, "model": "m", "weights": w, "lora_rank": 32, "batch": 8,
+               "prompt_len": 256, "gen_len": 64, "fused": f, "tok_per_s": t}
+              for w, f, t in [("bf16", 1, 1000.0), ("nvfp4", 1, 1500.0), ("nvfp4", 0, 700.0)]]
+    vllm = [{"card": CARD, "model": "m", "weights": w, "lora_rank": r, "batch": 8,
+             "prompt_len": 256, "gen_len": 64, "fused": None, "tok_per_s": t}
+            for w, r, t in [("vllm-bf16", 32, 800.0), ("vllm-nvfp4", 32, 1200.0),
+                            ("vllm-nvfp4", 0, 2000.0)]]
+    write(tmp_path / "bench/rollout_x.csv", engine + vllm)
+    report(tmp_path)
+    table = pd.read_csv(tmp_path / "tables/rollout.csv").set_index(["lora_rank", "fused"])
+    assert table.loc[(32, 1), "bf16/vllm"] == pytest.approx(1.25)
+    assert table.loc[(32, 1), "nvfp4/vllm"] == pytest.approx(1.25)
+    assert table.loc[(32, 1), "nvfp4/bf16"] == pytest.approx(1.5)
+    assert pd.isna(table.loc[(32, 0), "vllm-nvfp4"])
+    assert table.loc[(0, 1), "vllm-nvfp4"] == 2000.0 and pd.isna(table.loc[(0, 1), "nvfp4"])
