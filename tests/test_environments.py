@@ -196,7 +196,8 @@ def _documented_config_files() -> list[str]:
             names = rest[:end]
             assert DOCKER_CONFIG in names, f"{' '.join(run)}: without {DOCKER_CONFIG}"
             files += names
-    assert "docker build -t qerl ." in header
+    # The build names the commit the image holds (its copy has no .git; run.json records it).
+    assert "docker build --build-arg QERL_COMMIT=$(git rev-parse HEAD) -t qerl ." in header
     return sorted(set(files))
 
 
