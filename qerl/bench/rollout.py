@@ -24,11 +24,11 @@ import argparse
 import gc
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from qerl.bench.throughput import random_prompts, throughput_row, timed
 from qerl.bench.vllm_rollout import KINDS as VLLM_KINDS
 from qerl.bench.vllm_rollout import bench_vllm
 from qerl.config import LoraSettings
@@ -40,34 +40,6 @@ from qerl.rollout import Engine, SamplingParams
 WEIGHTS = {"bf16": "lora", "nvfp4": "qerl", "nf4": "qlora"}  # engine weights -> policy method
 
 
-def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, length), generator=gen).tolist()
-
-
-def _timed(fn) -> float:
-    gpu = torch.cuda.is_available()
-    if gpu:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    fn()
-    if gpu:
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
-def _row(label: str, batch: int, prompt_len: int, gen_len: int, seconds: float,
-         peak: bool = True) -> dict:
-    """A result; peak_gb (with ``peak``) is the most GPU memory this process allocated since
-    the last _timed call began (model, KV cache and activations: what must fit)."""
-    row = {"batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,
-           "seconds": round(seconds, 3), "tok_per_s": round(batch * gen_len / seconds, 1),
-           "peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2) if peak else None}
-    print(f"  {label}batch {batch} prompt {prompt_len}: {row['tok_per_s']} tok/s", flush=True)
-    return row
-
-
 def bench_engine(policy, batches, prompt_lens, gen_len, fused: bool) -> list[dict]:
     vocab = policy.config.vocab_size
     engine = Engine(policy, max_batch=max(batches), max_seq_len=max(prompt_lens) + gen_len,
@@ -75,11 +47,11 @@ def bench_engine(policy, batches, prompt_lens, gen_len, fused: bool) -> list[dic
     rows = []
     for prompt_len in prompt_lens:
         for batch in batches:
-            prompts = _prompts(batch, prompt_len, vocab, seed=batch)
+            prompts = random_prompts(batch, prompt_len, vocab, seed=batch)
             params = SamplingParams(max_new_tokens=gen_len, ignore_eos=True, seed=0)
             engine.generate(prompts, params)  # captures the step's graphs, one per bucket
-            seconds = _timed(lambda p=prompts, s=params: engine.generate(p, s))
-            rows.append(_row("", batch, prompt_len, gen_len, seconds))
+            seconds = timed(lambda p=prompts, s=params: engine.generate(p, s))
+            rows.append(throughput_row("", batch, prompt_len, gen_len, seconds))
     return rows
 
 
@@ -87,7 +59,7 @@ def bench_hf(model, batches, prompt_lens, gen_len) -> list[dict]:
     rows = []
     for prompt_len in prompt_lens:
         for batch in batches:
-            ids = torch.tensor(_prompts(batch, prompt_len, model.config.vocab_size, batch),
+            ids = torch.tensor(random_prompts(batch, prompt_len, model.config.vocab_size, batch),
                                device="cuda")
 
             def run(ids=ids):
@@ -97,8 +69,8 @@ def bench_hf(model, batches, prompt_lens, gen_len) -> list[dict]:
 
             with torch.no_grad():
                 model.generate(ids, max_new_tokens=2, pad_token_id=0)
-                seconds = _timed(run)
-            rows.append(_row("hf ", batch, prompt_len, gen_len, seconds))
+                seconds = timed(run)
+            rows.append(throughput_row("hf ", batch, prompt_len, gen_len, seconds))
     return rows
 
 

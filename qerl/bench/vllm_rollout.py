@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from qerl.bench.throughput import random_prompts, throughput_row, timed
 from qerl.config import LoraSettings
 from qerl.errors import QerlError
 from qerl.export import export_for_vllm
@@ -54,8 +55,6 @@ def measure(base: Path, adapter: Path | None, kind: str, batches: list[int],
     """Rows of tokens/s for each prompt length and batch, one vLLM engine for them all."""
     import vllm
 
-    from qerl.bench.rollout import _prompts, _row, _timed
-
     rank = 0
     if adapter is not None:
         import json
@@ -78,7 +77,7 @@ def measure(base: Path, adapter: Path | None, kind: str, batches: list[int],
     for prompt_len in prompt_lens:
         for batch in batches:
             prompts = [{"prompt_token_ids": p}
-                       for p in _prompts(batch, prompt_len, vocab, seed=batch)]
+                       for p in random_prompts(batch, prompt_len, vocab, seed=batch)]
 
             def run(prompts=prompts):
                 outputs = llm.generate(prompts, sampling, lora_request=request, use_tqdm=False)
@@ -88,9 +87,9 @@ def measure(base: Path, adapter: Path | None, kind: str, batches: list[int],
                                          f"sequence, not {gen_len}: its rate would be wrong")
 
             run()  # warm-up: compiles and captures the CUDA graphs of this size
-            seconds = _timed(run)
-            rows.append({"lora_rank": rank,
-                         **_row("vllm ", batch, prompt_len, gen_len, seconds, peak=False)})
+            seconds = timed(run)
+            rows.append({"lora_rank": rank, **throughput_row(
+                "vllm ", batch, prompt_len, gen_len, seconds, peak=False)})
     return rows
 
 
