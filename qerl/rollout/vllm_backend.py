@@ -10,9 +10,10 @@ Log-probabilities come from vLLM's "processed" log-probs (after temperature, top
 top-p), where the embedded engine reports the tempered distribution before truncation:
 equal when top-k and top-p are off.
 
-Not run on this project's machines (no vLLM there): the translation of requests and results
-and the push order are tested against a stand-in module with vLLM 0.31's API shape
-(tests/rollout/test_vllm_backend.py); loading and sampling on a real vLLM are not.
+The translation of requests and results and the push order are tested against a stand-in
+module with vLLM 0.31's API shape (tests/rollout/test_vllm_backend.py); loading, sampling and
+the pushes on a real vLLM by tests/rollout/test_vllm_real.py, on a GPU where vLLM is
+installed beside qerl (not yet run on one).
 """
 
 from __future__ import annotations
