@@ -119,6 +119,21 @@ def test_layer_sweeps_refuse_a_layer_a_model_lacks_before_measuring():
         model_layers("token-tiles", "qwen2.5-7b", "gate_up,gateup")
 
 
+def test_layer_sweeps_record_each_layer_as_it_is_measured(tmp_path):
+    import pandas as pd
+
+    from qerl.bench.kernels import model_layers, record_sweep
+
+    grid = model_layers("kernel-paths", "qwen2.5-7b", "o,qkv")
+    path = tmp_path / "sweep.csv"
+    record_sweep(path, {"card": "cpu"}, grid, lambda n, k: [{"M": m, "N": n, "K": k}
+                                                           for m in (1, 64)], copy_gbps=2.5)
+    rows = pd.read_csv(path)
+    assert list(rows.columns) == ["card", "copy_gbps", "layer", "M", "N", "K"]
+    assert list(rows.layer) == ["qwen2.5-7b.o"] * 2 + ["qwen2.5-7b.qkv"] * 2
+    assert list(rows.N) == [3584, 3584, 4608, 4608] and set(rows.copy_gbps) == {2.5}
+
+
 def test_vllm_rows_serve_our_exports_with_and_without_an_adapter(fake_vllm, tmp_path):
     """vLLM's rollout rows (stand-in vLLM, CPU): the NVFP4 rows serve qerl's export, the BF16
     rows vLLM's dummy weights of the shape; rank 0 serves no adapter; every sequence is

@@ -13,11 +13,18 @@ from __future__ import annotations
 
 import torch
 
-from qerl.bench.kernels import copy_bandwidth, model_layers, rotating, sweep_arguments, time_us
+from qerl.bench.kernels import (
+    copy_bandwidth,
+    model_layers,
+    record_sweep,
+    rotating,
+    sweep_arguments,
+    time_us,
+)
 from qerl.formats import nvfp4
 from qerl.kernels import nvfp4_layout as layout
 from qerl.kernels import nvfp4_matmul as km
-from qerl.record import append_rows, per_card, provenance
+from qerl.record import per_card, provenance
 
 MODELS = ("qwen2.5-7b", "qwen2.5-32b")
 LAYERS = ("qkv", "gate_up", "down")
@@ -64,11 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = copy_bandwidth()
     base = provenance("cuda")
     path = args.out_dir / per_card("kernel_paths", base["card"])
-    for arch, layer, shape in grid:
-        rows = measure(*shape, args.m, bandwidth)
-        append_rows(path, [{**base, "copy_gbps": round(bandwidth / 1e9, 1),
-                            "layer": f"{arch}.{layer}", **row} for row in rows])
-        torch.cuda.empty_cache()
+    record_sweep(path, base, grid, lambda n, k: measure(n, k, args.m, bandwidth),
+                 copy_gbps=round(bandwidth / 1e9, 1))
     print(path)
 
 

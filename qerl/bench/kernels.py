@@ -79,6 +79,16 @@ def model_layers(prog: str, models: str, layers: str) -> list[tuple[str, str, tu
     return grid
 
 
+def record_sweep(path: Path, base: dict, grid, measure, **extra) -> None:
+    """Each (model, layer, (N, K)) of ``grid`` measured in turn (``measure(N, K)`` -> rows),
+    its rows appended to ``path`` as they come, with ``base`` (provenance), ``extra``
+    columns and the layer's name; the GPU's cache emptied between layers."""
+    for arch, layer, shape in grid:
+        rows = measure(*shape)
+        append_rows(path, [{**base, **extra, "layer": f"{arch}.{layer}", **row} for row in rows])
+        torch.cuda.empty_cache()
+
+
 def copy_bandwidth() -> float:
     """Bytes read + written per second by a 1 GiB device-to-device copy."""
     import triton.testing

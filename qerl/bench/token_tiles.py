@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from qerl.bench.kernels import model_layers, rotating, sweep_arguments, time_us
+from qerl.bench.kernels import model_layers, record_sweep, rotating, sweep_arguments, time_us
 from qerl.formats import nvfp4
 from qerl.kernels import nvfp4_gemm as gemm
 from qerl.kernels import nvfp4_layout as layout
-from qerl.record import append_rows, per_card, provenance
+from qerl.record import per_card, provenance
 
 MODELS = ("qwen2.5-7b", "qwen2.5-32b")
 LAYERS = ("gate_up", "down")
@@ -56,10 +56,7 @@ def main(argv: list[str] | None = None) -> None:
                          f"{gemm.unavailable_reason(torch.device('cuda'))}")
     base = provenance("cuda")
     path = args.out_dir / per_card("token_tiles", base["card"])
-    for arch, layer, shape in grid:
-        rows = measure(*shape, args.m)
-        append_rows(path, [{**base, "layer": f"{arch}.{layer}", **row} for row in rows])
-        torch.cuda.empty_cache()
+    record_sweep(path, base, grid, lambda n, k: measure(n, k, args.m))
     print(path)
 
 
