@@ -175,7 +175,7 @@ def test_vllm_rows_refuse_a_wrong_length_and_a_missing_vllm(fake_vllm, tmp_path,
     assert list(tmp_path.iterdir()) == []  # the export went anyway
     # In a process of its own (as on a GPU), a failure there comes back as an error here.
     with pytest.raises(VLLMBenchError, match="vLLM's run failed: ModuleNotFoundError"):
-        _isolated((tmp_path, None, "vllm-bf16", [1], [5], 4, 100, 0.5))
+        _isolated((tmp_path, None, 0, "vllm-bf16", [1], [5], 4, 100, 0.5))
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(VLLMBenchError, match=r"pip install 'qerl\[vllm\]'"):
         bench_vllm("tiny-llama", "vllm-bf16", [0], [1], [5], 4, tmp_path, device="cpu")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -115,12 +114,9 @@ def main(argv: list[str] | None = None) -> None:
         for kind in weights:
             if kind in VLLM_KINDS:
                 print(f"{arch} {kind} lora r{','.join(map(str, vllm_ranks))}", flush=True)
-                work = Path(tempfile.mkdtemp(dir=args.workdir, prefix="qerl-vllm-"))
-                try:
+                with tempfile.TemporaryDirectory(dir=args.workdir, prefix="qerl-vllm-") as work:
                     rows = bench_vllm(arch, kind, vllm_ranks, batches, prompt_lens,
-                                      args.gen_len, work, memory=args.vllm_memory)
-                finally:
-                    shutil.rmtree(work, ignore_errors=True)
+                                      args.gen_len, Path(work), memory=args.vllm_memory)
                 append_rows(path, [{**base, "model": arch, "weights": kind, "fused": None,
                                     **row} for row in rows])
                 continue

@@ -46,20 +46,15 @@ def export(arch: str, kind: str, rank: int, out: Path, device: str) -> Path:
     finally:
         del policy
         gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
 
 
-def measure(base: Path, adapter: Path | None, kind: str, batches: list[int],
+def measure(base: Path, adapter: Path | None, rank: int, kind: str, batches: list[int],
             prompt_lens: list[int], gen_len: int, vocab: int, memory: float) -> list[dict]:
-    """Rows of tokens/s for each prompt length and batch, one vLLM engine for them all."""
+    """Rows of tokens/s for each prompt length and batch, one vLLM engine for them all
+    (``adapter``, of rank ``rank``, None: none)."""
     import vllm
 
-    rank = 0
-    if adapter is not None:
-        import json
-
-        rank = json.loads((adapter / "adapter_config.json").read_text())["r"]
     llm = vllm.LLM(model=str(base), load_format="dummy" if kind == "vllm-bf16" else "auto",
                    skip_tokenizer_init=True, enable_lora=adapter is not None,
                    max_lora_rank=max(rank, 8), max_loras=1, max_num_seqs=max(batches),
@@ -122,8 +117,8 @@ def bench_vllm(arch: str, kind: str, ranks: list[int], batches: list[int],
             where = out[rank or adapters[0]]
             if not (where / "base").is_dir():
                 export(arch, kind, rank or adapters[0], where, device)
-            args = (where / "base", where / "adapter" if rank else None, kind, batches,
-                    prompt_lens, gen_len, vocab, memory)
+            args = (where / "base", where / "adapter" if rank else None, rank, kind,
+                    batches, prompt_lens, gen_len, vocab, memory)
             rows += _isolated(args) if isolate else measure(*args)
     finally:
         for where in out.values():
