@@ -107,14 +107,23 @@ def test_the_rehearsal_shares_its_gpu_but_times_alone():
     assert any("workflows/scripts/lighteval_offline.py accelerate" in line for line in shared)
 
 
+def stand_in_nvidia_smi(tmp: Path) -> Path:
+    """An nvidia-smi that lists two GPUs, as `-L` and as the workflow's query print them."""
+    smi = tmp / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text('#!/bin/sh\nif [ "$1" = -L ]; then\n'
+                   "  echo 'GPU 0: Stand-in (UUID: GPU-aaa)'\n"
+                   "  echo 'GPU 1: Stand-in (UUID: GPU-bbb)'\n"
+                   "else echo '0, GPU-aaa, Stand-in'; echo '1, GPU-bbb, Stand-in'; fi\n")
+    smi.chmod(0o755)
+    return smi
+
+
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU is visible")
 def test_shared_gpus_need_the_slots_to_match(tmp_path):
     """gpu_jobs: 2 with --resources gpu=1 could never start a benchmark: it says so before
     any job (on a machine a stand-in nvidia-smi says has a GPU)."""
-    smi = tmp_path / "bin" / "nvidia-smi"
-    smi.parent.mkdir()
-    smi.write_text("#!/bin/sh\necho 'GPU 0: Stand-in'\n")
-    smi.chmod(0o755)
+    smi = stand_in_nvidia_smi(tmp_path)
     gpu = {**config("gpu"), "gpu_jobs": 2, "work_dir": str(tmp_path / "work"),
            "results_dir": str(tmp_path / "results")}
     path = tmp_path / "config.yaml"
@@ -170,6 +179,25 @@ def test_bad_configurations_fail_before_any_job(tmp_path, change, message):
     assert done.returncode != 0
     assert message in done.stdout + done.stderr
     assert "$schema" not in done.stdout + done.stderr  # the problem, not the schema
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU is visible")
+@pytest.mark.parametrize("visible", ["", "7", "GPU-zzz"])
+def test_gpus_hidden_by_cuda_visible_devices_are_not_used(tmp_path, visible):
+    """The run uses (and run.json names) the GPUs CUDA_VISIBLE_DEVICES leaves, not every
+    GPU nvidia-smi lists: with none left, the run fails before any job."""
+    smi = stand_in_nvidia_smi(tmp_path)
+    gpu = {**config("gpu"), "work_dir": str(tmp_path / "work"),
+           "results_dir": str(tmp_path / "results")}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(gpu))
+    done = subprocess.run([SNAKEMAKE, "--cores", "1", "--configfile", str(path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PATH": f"{smi.parent}:{os.environ['PATH']}",
+                               "CUDA_VISIBLE_DEVICES": visible})
+    assert done.returncode != 0
+    assert "none is visible here" in done.stdout + done.stderr
+    assert not (tmp_path / "work").exists()
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU is visible")

@@ -1,5 +1,6 @@
 # Shared by every rule file: where things go, which model is which, side environments, and
 # the checks that make a bad configuration fail before any job runs.
+import os
 import shlex
 import shutil
 import subprocess
@@ -66,16 +67,26 @@ def _check_models():
 
 
 def gpu_names() -> list[str]:
-    """The GPUs nvidia-smi sees here, by name (none where it is missing or fails)."""
+    """The GPUs this run may use, by name: those nvidia-smi lists, narrowed to
+    CUDA_VISIBLE_DEVICES (indices or UUIDs) where it is set; none where nvidia-smi is
+    missing or fails."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return []
     try:
-        listed = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"],
+        listed = subprocess.run([smi, "--query-gpu=index,uuid,name", "--format=csv,noheader"],
                                 capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
         return []
-    return [name.strip() for name in listed.splitlines() if name.strip()]
+    gpus = [[field.strip() for field in line.split(",", 2)] for line in listed.splitlines()]
+    gpus = [gpu for gpu in gpus if len(gpu) == 3 and gpu[2]]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        wanted = [name.strip() for name in visible.split(",") if name.strip()]
+        gpus = [gpu for gpu in gpus
+                if any(w == gpu[0] or (w.startswith("GPU-") and gpu[1].startswith(w))
+                       for w in wanted)]
+    return [name for _, _, name in gpus]
 
 
 def check_gpu():

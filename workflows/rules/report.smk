@@ -75,7 +75,9 @@ def say_where_results_are():
 def _card() -> str:
     if DEVICE != "cuda":
         return "cpu"
-    return ", ".join(sorted(set(gpu_names()))) or "unknown (nvidia-smi sees no GPU)"
+    names = gpu_names()
+    return (", ".join(f"{names.count(name)} x {name}" for name in sorted(set(names)))
+            or "unknown (nvidia-smi sees no GPU)")
 
 
 def _commit() -> str | None:
