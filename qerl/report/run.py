@@ -61,12 +61,16 @@ def report(results: Path, paper: Path | None = None, expected: Path | None = Non
 
 def unread(results: Path, read: set[Path]) -> list[Path]:
     """Files under ``results`` that no kind of result reads (READMEs, hidden files such as
-    the writers' locks, and what the report writes aside): a result in the wrong place, or
-    a kind the report does not know."""
+    the writers' locks, what the report writes aside, the workflow's run records
+    ``run*.json`` beside them, and nested results folders, which have tables of their
+    own): a result in the wrong place, or a kind the report does not know."""
+    nested = [folder.parent.parent for folder in results.glob("*/tables/values.csv")]
     return sorted(path for path in results.rglob("*")
                   if path.is_file() and path not in read and path.name != "README.md"
                   and not path.name.startswith(".")
-                  and path.relative_to(results).parts[0] not in OUTPUTS)
+                  and path.relative_to(results).parts[0] not in OUTPUTS
+                  and not (path.parent == results and path.match("run*.json"))
+                  and not any(path.is_relative_to(folder) for folder in nested))
 
 
 # The table that shows each kind of result, where it is not named after the kind.

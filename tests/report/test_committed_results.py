@@ -62,3 +62,18 @@ def test_the_committed_values_are_what_qerl_report_makes_of_the_results(committe
     fresh = committed.values.set_index("key").value
     assert sorted(saved.index) == sorted(fresh.index)
     assert saved[fresh.index].to_numpy() == pytest.approx(fresh.to_numpy(), rel=1e-12)
+
+
+@pytest.mark.parametrize("folder", sorted(p.parent.parent.name
+                                          for p in RESULTS.glob("*/tables/values.csv")))
+def test_nested_results_folders_are_read_whole_and_their_values_are_current(folder):
+    """A results folder of its own (a workflow configuration's, e.g. rehearsal/): every
+    file read by its own report, and its values.csv what `qerl report --results
+    results/FOLDER` makes of it today."""
+    results = RESULTS / folder
+    found = collect(results)
+    assert not [str(p.relative_to(results)) for p in unread(results, found.files)]
+    saved = pd.read_csv(results / "tables/values.csv").set_index("key").value
+    fresh = found.values.set_index("key").value
+    assert sorted(saved.index) == sorted(fresh.index)
+    assert saved[fresh.index].to_numpy() == pytest.approx(fresh.to_numpy(), rel=1e-12)

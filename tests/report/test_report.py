@@ -69,8 +69,15 @@ def results(tmp_path):
 
 def test_tables_put_the_papers_numbers_beside_ours(results):
     (results / "bench/notes.txt").write_text("a file of no kind the report knows")
+    (results / "run.json").write_text("{}")  # the workflow's record of the run
+    (results / "rehearsal/tables").mkdir(parents=True)  # a results folder of its own
+    (results / "rehearsal/tables/values.csv").write_text("key,value\n")
+    (results / "rehearsal/bench").mkdir()
+    (results / "rehearsal/bench/rollout_x.csv").write_text("card\n")
+    (results / "eval/run.json").write_text("{}")  # not beside the tables: unread
     written = report(results, note="Tiny model: zeros expected.")
-    assert written["unread"] == [str(results / "bench/notes.txt")]
+    assert written["unread"] == [str(results / "bench/notes.txt"),
+                                 str(results / "eval/run.json")]
     assert set(written["tables"]) == {"accuracy", "external", "rollout", "training",
                                       "efficiency", "science", "entropy"}
     study = pd.read_csv(results / "tables/science.csv").set_index("variant")

@@ -43,8 +43,10 @@ def prompts():
     from qerl.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2-135m-instruct")
+    # transformers 5 returns a BatchEncoding when tokenizing: its ids, not its keys.
     return [tokenizer.apply_chat_template([{"role": "user", "content": q}],
-                                          add_generation_prompt=True, tokenize=True)
+                                          add_generation_prompt=True, tokenize=True,
+                                          return_dict=True)["input_ids"]
             for q in QUESTIONS]
 
 
