@@ -47,9 +47,11 @@ class FakeLLM:
 
         assert lora_request is None or (
             Path(lora_request.lora_path) / "adapter_config.json").is_file()
-        self.calls.append(("generate", sampling.kwargs, lora_request))
+        each = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        assert len(each) == len(prompts)  # as vLLM checks
+        self.calls.append(("generate", [s.kwargs for s in each], lora_request))
         outs = []
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, sampling) in enumerate(zip(prompts, each, strict=True)):
             ids = [len(prompt["prompt_token_ids"]), 7, 9][: 2 + i % 2]
             if "min_tokens" in sampling.kwargs:  # a benchmark's fixed length, as asked
                 ids = [7] * sampling.kwargs["min_tokens"] * self.length_factor

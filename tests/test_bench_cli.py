@@ -156,7 +156,8 @@ def test_vllm_rows_serve_our_exports_with_and_without_an_adapter(fake_vllm, tmp_
         weights = [f for f in with_lora.files if f.endswith(".safetensors")]
         assert bool(weights) == (kind == "vllm-nvfp4")  # dummy BF16: the shape alone
         _, sampling, request = with_lora.calls[-1]
-        assert sampling["min_tokens"] == sampling["max_tokens"] == 4 and sampling["ignore_eos"]
+        assert all(one["min_tokens"] == one["max_tokens"] == 4 and one["ignore_eos"]
+                   for one in sampling)
         assert request.lora_path.endswith("r16/adapter")
         assert without.calls[-1][2] is None
         assert list((tmp_path / kind).iterdir()) == []

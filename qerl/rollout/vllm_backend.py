@@ -82,11 +82,13 @@ class VLLMEngine:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise RolloutError("every prompt needs at least one token")
         request = self.push()
-        sampling = self.vllm.SamplingParams(
+        # A seed each request: vLLM seeds a request's sampler with its own seed, so one seed
+        # for all would give GRPO's copies of a prompt the same completion.
+        sampling = [self.vllm.SamplingParams(
             n=1, temperature=params.temperature, top_p=params.top_p,
             top_k=params.top_k if params.top_k else -1, max_tokens=params.max_new_tokens,
             stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-            seed=params.seed, logprobs=0)
+            seed=request_seed(params.seed, i), logprobs=0) for i in range(len(prompts))]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling,
                                     lora_request=request, use_tqdm=False)
         tokens, logprobs, reasons = [], [], []
@@ -98,3 +100,11 @@ class VLLMEngine:
                              for step, token in zip(completion.logprobs, ids, strict=True)])
             reasons.append("stop" if completion.finish_reason == "stop" else "length")
         return Rollout(tokens, logprobs, reasons)
+
+
+def request_seed(seed: int | None, index: int) -> int | None:
+    """The seed of the index-th request of a rollout seeded with ``seed`` (None: unseeded):
+    distinct for every request, the same on every run."""
+    if seed is None:
+        return None
+    return (seed + index * 0x9E3779B97F4A7C15) % (1 << 62)  # 2^64 / golden ratio: spread

@@ -13,7 +13,7 @@ import torch
 from qerl.noise import AQNSettings
 from qerl.policy import build_policy
 from qerl.rollout import RolloutError, SamplingParams
-from qerl.rollout.vllm_backend import VLLMEngine
+from qerl.rollout.vllm_backend import VLLMEngine, request_seed
 from tests.conftest import fresh_seed
 from tests.fake_vllm import FakeLLM
 from tests.test_policy import randomize_adapter
@@ -42,8 +42,10 @@ def test_each_rollout_pushes_a_fresh_adapter_and_the_noised_norms(fake_vllm, tin
         _, kwargs, request = llm.calls[-1]
         assert request.lora_int_id == step
         assert not (tmp_path / f"adapter-{step - 1}").exists()  # the previous one is gone
-    assert kwargs == {"n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_tokens": 5,
-                      "stop_token_ids": [9], "ignore_eos": False, "seed": 3, "logprobs": 0}
+    asked = {"n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_tokens": 5,
+             "stop_token_ids": [9], "ignore_eos": False, "logprobs": 0}
+    assert [{k: v for k, v in one.items() if k != "seed"} for one in kwargs] == [asked] * 2
+    assert [one["seed"] for one in kwargs] == [request_seed(3, 0), request_seed(3, 1)]
     assert out.tokens == [[3, 7], [2, 7, 9]]
     assert out.logprobs == [[-0.5, -1.0], [-0.5, -1.0, -1.5]]
     assert out.finish_reasons == ["length", "stop"]
@@ -55,3 +57,19 @@ def test_without_vllm_the_backend_says_how_to_get_it(tiny_checkpoint, tmp_path, 
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(RolloutError, match="pip install 'qerl\\[vllm\\]'"):
         VLLMEngine(build_policy("qerl", tiny_checkpoint), tmp_path, 4, 32)
+
+
+def test_copies_of_a_prompt_get_seeds_of_their_own(fake_vllm, tiny_checkpoint, tmp_path):
+    """GRPO sends each prompt several times: one seed for all would make vLLM sample the same
+    completion for every copy (seen on a real vLLM: nearly every group had zero reward
+    spread). Seeds differ per request, repeat per rollout seed, and stay off when unseeded."""
+    engine = VLLMEngine(build_policy("qerl", tiny_checkpoint), tmp_path, 8, 32)
+    llm = FakeLLM.instances[0]
+    for seed in (fresh_seed(), 0):
+        engine.generate([[1, 2]] * 8, SamplingParams(max_new_tokens=2, seed=seed))
+        seeds = [one["seed"] for one in llm.calls[-1][1]]
+        assert len(set(seeds)) == 8
+        engine.generate([[1, 2]] * 8, SamplingParams(max_new_tokens=2, seed=seed))
+        assert [one["seed"] for one in llm.calls[-1][1]] == seeds
+    engine.generate([[1, 2]] * 3, SamplingParams(max_new_tokens=2, seed=None))
+    assert [one["seed"] for one in llm.calls[-1][1]] == [None] * 3
