@@ -122,18 +122,24 @@ def stand_in_nvidia_smi(tmp: Path) -> Path:
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU is visible")
 def test_shared_gpus_need_the_slots_to_match(tmp_path):
     """gpu_jobs: 2 with --resources gpu=1 could never start a benchmark: it says so before
-    any job (on a machine a stand-in nvidia-smi says has a GPU)."""
+    any job (on a machine a stand-in nvidia-smi says has GPUs, whichever
+    CUDA_VISIBLE_DEVICES leaves; MIG instances it cannot map leave them all)."""
     smi = stand_in_nvidia_smi(tmp_path)
     gpu = {**config("gpu"), "gpu_jobs": 2, "work_dir": str(tmp_path / "work"),
            "results_dir": str(tmp_path / "results")}
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(gpu))
-    done = subprocess.run([SNAKEMAKE, "--cores", "1", "--resources", "gpu=1", "--configfile",
-                           str(path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PATH": f"{smi.parent}:{os.environ['PATH']}"})
-    assert done.returncode != 0
-    assert "pass --resources gpu=2 per GPU" in done.stdout + done.stderr
-    assert not (tmp_path / "work").exists()  # no job started
+    for visible in (None, "1", "GPU-bbb", "MIG-ccc"):  # a GPU left visible: the slots check
+        env = {**os.environ, "PATH": f"{smi.parent}:{os.environ['PATH']}"}
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        done = subprocess.run([SNAKEMAKE, "--cores", "1", "--resources", "gpu=1",
+                               "--configfile", str(path)], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300, env=env)
+        assert done.returncode != 0
+        assert "pass --resources gpu=2 per GPU" in done.stdout + done.stderr, visible
+        assert not (tmp_path / "work").exists()  # no job started
 
 
 def test_one_target_reruns_alone():

@@ -68,7 +68,7 @@ def _check_models():
 
 def gpu_names() -> list[str]:
     """The GPUs this run may use, by name: those nvidia-smi lists, narrowed to
-    CUDA_VISIBLE_DEVICES (indices or UUIDs) where it is set; none where nvidia-smi is
+    CUDA_VISIBLE_DEVICES where it names GPUs by index or UUID; none where nvidia-smi is
     missing or fails."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
@@ -81,8 +81,9 @@ def gpu_names() -> list[str]:
     gpus = [[field.strip() for field in line.split(",", 2)] for line in listed.splitlines()]
     gpus = [gpu for gpu in gpus if len(gpu) == 3 and gpu[2]]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        wanted = [name.strip() for name in visible.split(",") if name.strip()]
+    wanted = [name.strip() for name in (visible or "").split(",") if name.strip()]
+    # MIG instances (MIG-...) are not in this list: with them, every GPU counts.
+    if visible is not None and all(w.isdigit() or w.startswith("GPU-") for w in wanted):
         gpus = [gpu for gpu in gpus
                 if any(w == gpu[0] or (w.startswith("GPU-") and gpu[1].startswith(w))
                        for w in wanted)]
