@@ -292,6 +292,21 @@ def test_gpu_jobs_of_a_gpu_configuration_go_through_the_gpu_slot():
     assert "gpu_slot.py" not in smoke.stdout + smoke.stderr  # CPU configurations run as is
 
 
+def test_the_one_gpu_configurations_base_evaluations_batch_their_generations():
+    """lm-eval's "auto" batch probes with full-length generations first, and lighteval's
+    default batch of 8 takes ~60 rounds of 1024 tokens for MATH500: the gpu configuration
+    sets both, so that its whole run stays near half an hour."""
+    done = snakemake("-n", "-p", "--forceall", "--configfile", "workflows/config/gpu.yaml",
+                     "--", "base_eval_all")
+    commands = [line for line in (done.stdout + done.stderr).splitlines()
+                if line.startswith("Shell command:")]
+    lm_eval = [line for line in commands if "lm_eval run" in line]
+    lighteval = [line for line in commands if "lighteval_offline.py accelerate" in line]
+    assert done.returncode == 0 and lm_eval and lighteval
+    assert all("--batch_size 64" in line for line in lm_eval)
+    assert all("batch_size=64," in line for line in lighteval)
+
+
 def test_the_schema_names_the_methods_qerl_trains():
     """The schema (JSON Schema, read by Snakemake) lists the methods as qerl.methods does."""
     from qerl.methods import METHODS
