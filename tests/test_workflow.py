@@ -23,13 +23,18 @@ ACCEPTED = ("Specify a conda environment or container", "Mixed rules and functio
             "Absolute path", "is a prefix of input or output file but hardcoded")
 
 
-def snakemake(*args, config: dict | None = None, tmp: Path | None = None):
+def snakemake(*args, config: dict | None = None, tmp: Path | None = None,
+              env: dict | None = None):
+    """Snakemake in the repository, with ``config`` (written under ``tmp``) and the
+    environment changed by ``env`` (a None value unsets that variable)."""
     command = [SNAKEMAKE, *args]
     if config is not None:
         path = tmp / "config.yaml"
         path.write_text(yaml.safe_dump(config))
         command += ["--configfile", str(path)]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    environment = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=environment)
 
 
 def job_counts(output: str) -> dict[str, int]:
@@ -127,16 +132,10 @@ def test_shared_gpus_need_the_slots_to_match(tmp_path):
     smi = stand_in_nvidia_smi(tmp_path)
     gpu = {**config("gpu"), "gpu_jobs": 2, "work_dir": str(tmp_path / "work"),
            "results_dir": str(tmp_path / "results")}
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(gpu))
     for visible in (None, "1", "GPU-bbb", "MIG-ccc"):  # a GPU left visible: the slots check
-        env = {**os.environ, "PATH": f"{smi.parent}:{os.environ['PATH']}"}
-        env.pop("CUDA_VISIBLE_DEVICES", None)
-        if visible is not None:
-            env["CUDA_VISIBLE_DEVICES"] = visible
-        done = subprocess.run([SNAKEMAKE, "--cores", "1", "--resources", "gpu=1",
-                               "--configfile", str(path)], cwd=ROOT, capture_output=True,
-                              text=True, timeout=300, env=env)
+        done = snakemake("--cores", "1", "--resources", "gpu=1", config=gpu, tmp=tmp_path,
+                         env={"PATH": f"{smi.parent}:{os.environ['PATH']}",
+                              "CUDA_VISIBLE_DEVICES": visible})
         assert done.returncode != 0
         assert "pass --resources gpu=2 per GPU" in done.stdout + done.stderr, visible
         assert not (tmp_path / "work").exists()  # no job started
@@ -195,12 +194,9 @@ def test_gpus_hidden_by_cuda_visible_devices_are_not_used(tmp_path, visible):
     smi = stand_in_nvidia_smi(tmp_path)
     gpu = {**config("gpu"), "work_dir": str(tmp_path / "work"),
            "results_dir": str(tmp_path / "results")}
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(gpu))
-    done = subprocess.run([SNAKEMAKE, "--cores", "1", "--configfile", str(path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PATH": f"{smi.parent}:{os.environ['PATH']}",
-                               "CUDA_VISIBLE_DEVICES": visible})
+    done = snakemake("--cores", "1", config=gpu, tmp=tmp_path,
+                     env={"PATH": f"{smi.parent}:{os.environ['PATH']}",
+                          "CUDA_VISIBLE_DEVICES": visible})
     assert done.returncode != 0
     assert "none is visible here" in done.stdout + done.stderr
     assert not (tmp_path / "work").exists()

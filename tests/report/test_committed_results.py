@@ -56,12 +56,17 @@ def test_every_kind_is_committed_and_every_measurement_shows_in_its_table(commit
         assert len(table) == len(frame)
 
 
-def test_the_committed_values_are_what_qerl_report_makes_of_the_results(committed):
-    """Rerun `qerl report --results results` after adding or changing a result."""
-    saved = pd.read_csv(RESULTS / "tables/values.csv").set_index("key").value
-    fresh = committed.values.set_index("key").value
+def assert_values_current(results: Path, found) -> None:
+    """results/tables/values.csv holds what `qerl report` makes of ``found`` today."""
+    saved = pd.read_csv(results / "tables/values.csv").set_index("key").value
+    fresh = found.values.set_index("key").value
     assert sorted(saved.index) == sorted(fresh.index)
     assert saved[fresh.index].to_numpy() == pytest.approx(fresh.to_numpy(), rel=1e-12)
+
+
+def test_the_committed_values_are_what_qerl_report_makes_of_the_results(committed):
+    """Rerun `qerl report --results results` after adding or changing a result."""
+    assert_values_current(RESULTS, committed)
 
 
 @pytest.mark.parametrize("folder", sorted(p.parent.parent.name
@@ -73,7 +78,4 @@ def test_nested_results_folders_are_read_whole_and_their_values_are_current(fold
     results = RESULTS / folder
     found = collect(results)
     assert not [str(p.relative_to(results)) for p in unread(results, found.files)]
-    saved = pd.read_csv(results / "tables/values.csv").set_index("key").value
-    fresh = found.values.set_index("key").value
-    assert sorted(saved.index) == sorted(fresh.index)
-    assert saved[fresh.index].to_numpy() == pytest.approx(fresh.to_numpy(), rel=1e-12)
+    assert_values_current(results, found)
