@@ -5,7 +5,7 @@
 # Build, from the repository root:
 #   docker build --build-arg QERL_COMMIT=$(git rev-parse HEAD) -t qerl .
 # Run (needs the NVIDIA Container Toolkit and a driver for CUDA 13.0, i.e. 580 or newer):
-#   docker run --gpus all -v $PWD/results:/workspace/results qerl snakemake --cores all --configfile workflows/config/gpu.yaml workflows/config/docker.yaml
+#   docker run --gpus all -v $PWD/results:/workspace/results qerl snakemake --cores all --resources gpu=3 --configfile workflows/config/gpu.yaml workflows/config/docker.yaml
 #   docker run --gpus all -v $PWD/results:/workspace/results qerl snakemake --cores all --configfile workflows/config/paper.yaml workflows/config/docker.yaml
 #   docker run qerl        # the default command: the CPU-sized smoke configuration
 # workflows/config/docker.yaml points the workflow at the side environments built here
