@@ -30,6 +30,6 @@ def nvfp4_matched_noise(model: nn.Module, seed: int) -> dict[str, float]:
                 error = (nvfp4.dequantize(q, torch.float32) - w.float()).norm()
                 relative[name] = (error / w.float().norm()).item()
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + position[name])
-                noise = torch.randn(w.shape, generator=gen) * (error / w.numel() ** 0.5)
+                noise = torch.randn(w.shape, generator=gen) * (error.item() / w.numel() ** 0.5)
                 w.copy_((w.float() + noise.to(w.device)).to(w.dtype))
     return relative

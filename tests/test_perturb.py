@@ -3,6 +3,7 @@ exactly the Linears NVFP4 quantizes, from a seed."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -54,3 +55,18 @@ def test_the_noise_is_the_seeds(tiny_model_dir):
     assert rel_a and all(0 < r < 0.5 for r in rel_a.values())
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_model_on_the_gpu_gets_the_noise_it_would_get_on_the_cpu(tiny_model_dir):
+    """The draws are made on the CPU and moved; the error's norm comes from the model's own
+    device (a CUDA model once failed here: a CPU draw times a CUDA norm)."""
+    seed = fresh_seed()
+    models = {device: AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+              .to(device) for device in ("cpu", "cuda")}
+    relative = {device: nvfp4_matched_noise(model, seed) for device, model in models.items()}
+    assert relative["cpu"].keys() == relative["cuda"].keys()
+    for name, w in models["cpu"].state_dict().items():
+        moved = models["cuda"].state_dict()[name].cpu()
+        torch.testing.assert_close(moved, w, rtol=1e-5, atol=1e-6, msg=(name, seed))

@@ -301,6 +301,25 @@ def test_the_one_gpu_configurations_base_evaluations_batch_their_generations():
     assert done.returncode == 0 and lm_eval and lighteval
     assert all("--batch_size 64" in line for line in lm_eval)
     assert all("batch_size=64," in line for line in lighteval)
+    # Every lighteval task reads the repository's copy (a task without one goes to the hub).
+    copies = [line for line in commands if "lighteval_data" in line or "lighteval-data/" in line]
+    for task in ("math_500", "aime24", "aime25"):
+        assert any(f"lighteval-data/{task}/" in line for line in copies), task
+
+
+def test_a_benchmark_that_runs_on_the_cpu_holds_no_gpu():
+    """The fidelity benchmark runs on the CPU wherever it is (it once held the GPU alone for
+    four minutes of a GPU run); the others hold a GPU alone."""
+    done = snakemake("-n", "-p", "--forceall", "--configfile", "workflows/config/gpu.yaml",
+                     "--", "bench_all")
+    out = done.stdout + done.stderr
+    commands = [line for line in out.splitlines() if line.startswith("Shell command:")]
+    assert done.returncode == 0
+    fidelity = [line for line in commands if "qerl bench fidelity" in line]
+    timed = [line for line in commands if "qerl bench " in line and line not in fidelity]
+    assert fidelity and timed
+    assert all("gpu_slot.py" not in line for line in fidelity)
+    assert all("gpu_slot.py" in line and "--whole" in line for line in timed)
 
 
 def test_the_schema_names_the_methods_qerl_trains():

@@ -68,7 +68,9 @@ def test_vllm_serves_qerls_export_and_samples_what_the_policy_would(vllm, smollm
     seed = fresh_seed()
     policy = build_policy("qerl", smollm2, device="cuda")
     randomize_adapter(policy, seed)
-    greedy = SamplingParams(max_new_tokens=24, temperature=0)
+    # Past an end of sequence too: vLLM stops there as our engine does, and a real model
+    # answers some questions in fewer than 24 tokens.
+    greedy = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
     ours = Engine(policy, max_batch=4, max_seq_len=256).generate(prompts(), greedy)
     theirs = VLLMEngine(policy, tmp_path, max_batch=4, max_seq_len=256,
                         gpu_memory_utilization=0.3).generate(prompts(), greedy)
@@ -80,13 +82,16 @@ def test_vllm_serves_qerls_export_and_samples_what_the_policy_would(vllm, smollm
 
 def test_each_push_reaches_vllm_and_its_logprobs_are_the_policys(vllm, smollm2, tmp_path):
     """After an optimizer step (the adapter changed in place) and with AQN's noise on, the
-    next rollout's log-probs are the updated policy's own, within bf16 rounding, and nearer
-    to it than to the policy before the change."""
+    next rollout's log-probs are the updated, noised policy's: within the two kernels'
+    rounding of it, and by a wide margin nearer to it than to the policy before the step
+    or to the same policy without the noise."""
     from qerl.rollout.vllm_backend import VLLMEngine
 
     seed = fresh_seed()
-    policy = build_policy("qerl", smollm2, aqn=AQNSettings(num_stages=2), total_steps=2,
-                          device="cuda")
+    # Noise large enough to move log-probs well past the kernels' rounding (Marlin FP4 in
+    # vLLM, ours in the policy: ~0.08 nats a token apart on this model, H200).
+    aqn = AQNSettings(num_stages=2, sigma_start=0.1, sigma_end=0.1)
+    policy = build_policy("qerl", smollm2, aqn=aqn, total_steps=2, device="cuda")
     engine = VLLMEngine(policy, tmp_path, max_batch=4, max_seq_len=256,
                         gpu_memory_utilization=0.3)
     params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=seed)
@@ -96,20 +101,25 @@ def test_each_push_reaches_vllm_and_its_logprobs_are_the_policys(vllm, smollm2, 
     randomize_adapter(policy, seed + 1)  # in place, as an optimizer step does
     policy.aqn.perturb(1)
     second = engine.generate(prompts(), params)
-    now = [forward_logprobs(policy.model, p, t) for p, t in zip(prompts(), second.tokens,
-                                                                 strict=True)]
+    got = torch.tensor([lp for row in second.logprobs for lp in row], device="cuda")
+
+    def policys() -> torch.Tensor:
+        return torch.cat([forward_logprobs(policy.model, p, t)
+                          for p, t in zip(prompts(), second.tokens, strict=True)])
+
+    now = policys()
     policy.aqn.restore()
+    clean = policys()  # the step's adapter without the noise
     with torch.no_grad():
         for name, p in policy.model.named_parameters():
             if name in saved:
                 p.copy_(saved[name])
-    old = [forward_logprobs(policy.model, p, t) for p, t in zip(prompts(), second.tokens,
-                                                                 strict=True)]
+    before = policys()  # the adapter before the step
+    gap = {name: (got - ref).abs().mean().item()
+           for name, ref in (("now", now), ("clean", clean), ("before", before))}
     assert second.tokens != first.tokens or second.logprobs != first.logprobs
-    for got, new, before in zip(second.logprobs, now, old, strict=True):
-        diff = (torch.tensor(got, device="cuda") - new).abs()
-        assert diff.mean() < 0.05 and diff.max() < 0.5, (seed, diff.tolist())
-        assert diff.mean() < (torch.tensor(got, device="cuda") - before).abs().mean(), seed
+    assert gap["now"] < 0.15 and (got - now).abs().max() < 1.0, (seed, gap)
+    assert gap["now"] < 0.5 * gap["clean"] and gap["now"] < 0.5 * gap["before"], (seed, gap)
 
 
 def test_an_exported_adapter_loads_in_vllm_as_users_load_it(vllm, smollm2, tmp_path):
@@ -119,15 +129,16 @@ def test_an_exported_adapter_loads_in_vllm_as_users_load_it(vllm, smollm2, tmp_p
 
     from qerl.export import export_for_vllm
 
+    seed = fresh_seed()
     policy = build_policy("qerl", smollm2, device="cuda")
-    randomize_adapter(policy, fresh_seed())
+    randomize_adapter(policy, seed)
     out = export_for_vllm(policy, tmp_path / "export")
-    rank = policy.lora.rank
-    del policy
-    torch.cuda.empty_cache()
-    llm = vllm.LLM(model=str(out / "base"), enable_lora=True, max_lora_rank=rank,
+    llm = vllm.LLM(model=str(out / "base"), enable_lora=True, max_lora_rank=policy.lora.rank,
                    gpu_memory_utilization=0.3, max_model_len=256)
     done = llm.generate([{"prompt_token_ids": p} for p in prompts()],
-                        vllm.SamplingParams(max_tokens=8, temperature=0),
+                        vllm.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
                         lora_request=LoRARequest("trained", 1, str(out / "adapter")))
     assert [len(d.outputs[0].token_ids) for d in done] == [8] * len(QUESTIONS)
+    # The adapter took part: vLLM's greedy tokens are the adapted policy's, up to near-ties.
+    for prompt, d in zip(prompts(), done, strict=True):
+        assert margins(policy, prompt, list(d.outputs[0].token_ids)).max() < TIE, seed

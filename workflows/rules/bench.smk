@@ -3,6 +3,7 @@
 BENCH = config.get("bench", {})
 FILE_OUTPUT = {"quantize", "fidelity"}  # these take --out FILE, the others --out-dir
 CPU_CAPABLE = {"quantize", "fidelity"}
+CPU_ONLY = {"fidelity"}  # runs on the CPU wherever it is: no GPU held while it does
 
 
 def bench_args(wildcards):
@@ -17,12 +18,18 @@ def bench_out(wildcards, output):
 
 def bench_gpu(wildcards):
     """Benchmarks time the GPU: they hold one alone (every slot of it)."""
+    if wildcards.bench in CPU_ONLY:
+        return 0
     return max(int(wildcards.bench not in CPU_CAPABLE), WHOLE_GPU)
+
+
+def bench_on_gpu(wildcards):
+    return "" if wildcards.bench in CPU_ONLY else ON_WHOLE_GPU
 
 
 rule bench:
     output: directory(f"{RESULTS}/bench/{{bench}}")
-    params: args=bench_args, out=bench_out, on_gpu=ON_WHOLE_GPU
+    params: args=bench_args, out=bench_out, on_gpu=bench_on_gpu
     log: f"{WORK}/logs/bench/{{bench}}.log"
     benchmark: f"{WORK}/benchmarks/bench/{{bench}}.tsv"
     resources: gpu=bench_gpu, mem_mb=MEM_MB["large"]
