@@ -74,14 +74,20 @@ def science_curves(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
         return []
 
     def draw(ax, frame, metric):
-        for variant, part in frame.groupby("recipe"):
+        from matplotlib import colormaps
+
+        variants = frame.groupby("recipe")
+        # tab10 repeats its colours past ten variants (the study has a dozen)
+        colours = colormaps["tab10" if variants.ngroups <= 10 else "tab20"]
+        for i, (variant, part) in enumerate(variants):
             stats = part.groupby("step")[metric].agg(["mean", "std", "count"])
             stats[["mean", "std"]] = stats[["mean", "std"]].rolling(SMOOTH, min_periods=1
                                                                     ).mean()
             spread = stats["std"].fillna(0)
-            ax.plot(stats.index, stats["mean"], label=f"{variant} ({stats['count'].max()})")
+            ax.plot(stats.index, stats["mean"], color=colours(i),
+                    label=f"{variant} ({stats['count'].max()})")
             ax.fill_between(stats.index, stats["mean"] - spread, stats["mean"] + spread,
-                            alpha=0.2)
+                            color=colours(i), alpha=0.15)
 
     return [_by_step(group, draw, f"{model}: mean +- std over seeds (in brackets), "
                      f"{SMOOTH}-step running mean", out / f"science_{model}.png")

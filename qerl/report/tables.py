@@ -130,40 +130,73 @@ def _spread(row: dict, name: str, values: pd.Series) -> None:
     row[f"{name} std"] = values.std()
 
 
-def science(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Per variant of the study, over its seeds (mean and standard deviation): reward over
+def _science_seeds(frames: dict) -> dict:
+    """(model, variant) -> (its learning rate, cards, a frame of one row a seed: reward over
     the first and the last quarter of the steps and their difference (the growth), mean
-    entropy over the steps, and each held-out benchmark's avg@k (with how many seeds)."""
+    entropy over the steps, and each held-out benchmark's avg@k)."""
     steps, held_out = frames.get("science"), frames.get("held-out")
     if steps is None:
-        return pd.DataFrame()
-    rows = []
+        return {}
+    out = {}
     for (model, variant), runs in steps.groupby(["model", "recipe"]):
         last = runs.step.max()
-        by_seed = runs.groupby("method")
         per_seed = pd.DataFrame({
             "reward (first quarter)": runs[runs.step <= 0.25 * last].groupby("method")
             .reward.mean(),
             "reward (last quarter)": runs[runs.step > 0.75 * last].groupby("method")
             .reward.mean(),
-            "entropy (mean)": by_seed.entropy.mean(),
+            "entropy (mean)": runs.groupby("method").entropy.mean(),
         })
         per_seed["reward growth"] = (per_seed["reward (last quarter)"]
                                      - per_seed["reward (first quarter)"])
-        row = {"model": model, "variant": variant,
-               "learning rate": runs.get("learning_rate_set", pd.Series([None])).iloc[0],
-               "card": ", ".join(sorted(set(runs.card.dropna()))), "seeds": len(per_seed),
-               "steps": int(last)}
-        for name in per_seed.columns:
-            _spread(row, name, per_seed[name])
         if held_out is not None:
             mine = held_out[(held_out.model == model) & (held_out.recipe == variant)]
             for metric in [c for c in mine.columns if c.startswith("avg@")]:
                 for bench, part in mine[mine[metric].notna()].groupby("bench"):
-                    _spread(row, f"{bench} {metric}", part[metric])
-                    row[f"{bench} {metric} seeds"] = len(part)
+                    per_seed[f"{bench} {metric}"] = part.set_index("method")[metric]
+        rate = runs.get("learning_rate_set", pd.Series([None])).iloc[0]
+        out[model, variant] = (rate, sorted(set(runs.card.dropna())), int(last), per_seed)
+    return out
+
+
+def science(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per variant of the study, over its seeds (mean and standard deviation): reward over
+    the first and the last quarter of the steps and their difference (the growth), mean
+    entropy over the steps, and each held-out benchmark's avg@k (with how many seeds)."""
+    rows = []
+    for (model, variant), (rate, cards, last, per_seed) in _science_seeds(frames).items():
+        row = {"model": model, "variant": variant, "learning rate": rate,
+               "card": ", ".join(cards), "seeds": len(per_seed), "steps": last}
+        for name in per_seed.columns:
+            _spread(row, name, per_seed[name].dropna())
+            if " avg@" in name:
+                row[f"{name} seeds"] = per_seed[name].notna().sum()
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def science_contrasts(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Every two variants of the study trained at the same learning rate (the controls
+    differ from a method by one thing at its rate): the difference of their reward growth
+    and held-out avg@k, A - B over the seeds' means, with its standard error (Welch: each
+    side's variance over its seeds) and the cards each side ran on (runs on other cards or
+    code versions differ by more than their seeds do: results/science/README.md)."""
+    seeds = _science_seeds(frames)
+    rows = []
+    for (model, a), (rate, cards_a, _, runs_a) in seeds.items():
+        for (other, b), (rate_b, cards_b, _, runs_b) in seeds.items():
+            if other != model or rate_b != rate or b <= a or rate is None:
+                continue
+            row = {"model": model, "learning rate": rate, "A": a, "B": b,
+                   "card A": ", ".join(cards_a), "card B": ", ".join(cards_b)}
+            for name in ["reward growth", *[c for c in runs_a.columns if " avg@" in c]]:
+                if name not in runs_b.columns:
+                    continue
+                x, y = runs_a[name].dropna(), runs_b[name].dropna()
+                row[f"{name} A - B"] = x.mean() - y.mean()
+                row[f"{name} se"] = (x.var() / len(x) + y.var() / len(y)) ** 0.5
+            rows.append(row)
+    return _sorted(pd.DataFrame(rows), ["model", "learning rate", "A", "B"])
 
 
 def entropy(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -268,6 +301,7 @@ def efficiency(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
 
 TABLES = {
     "accuracy": accuracy, "external": external, "training": training, "science": science,
+    "science_contrasts": science_contrasts,
     "entropy": entropy, "rollout": rollout, "kernels": kernels, "kernel_paths": kernel_paths,
     "token_tiles": token_tiles,
     "decode_step": decode_step, "efficiency": efficiency,

@@ -67,6 +67,31 @@ def results(tmp_path):
     return root
 
 
+def test_the_studys_variants_at_one_learning_rate_are_contrasted(results):
+    """A control trained at a method's rate is set against it: the difference of the
+    seeds' mean growth and held-out score, with Welch's standard error; variants at other
+    rates are not paired."""
+    growth = {0: 0.2, 1: 0.5}  # this control's per-seed growth: steps 1 -> 4
+    for seed, total in growth.items():
+        run = results / f"science/smol/lora-at-qerl-rate/seed{seed}"
+        write(run / "metrics.csv", [{"step": k, "reward": total * (k - 1) / 3,
+                                     "entropy": 1.0} for k in (1, 2, 3, 4)])
+        write(run / "eval/summary.csv", [{"bench": "gsm8k", "avg@4": 0.5 + seed / 10}])
+        (run / "provenance.json").write_text(json.dumps({"card": "NVIDIA H200"}))
+        (run / "config.yaml").write_text("train:\n  learning_rate: 0.0002\n")
+    report(results)
+    pairs = pd.read_csv(results / "tables/science_contrasts.csv")
+    assert len(pairs) == 1  # lora (1e-4) pairs with neither
+    row = pairs.iloc[0]
+    assert (row.A, row.B, row["card A"], row["card B"]) == ("lora-at-qerl-rate", "qerl",
+                                                            "NVIDIA H200", CARD)
+    # qerl's growth is 0.6 in both seeds; this control's 0.35 +- 0.15 (sample std 0.212).
+    assert row["reward growth A - B"] == pytest.approx(0.35 - 0.6)
+    assert row["reward growth se"] == pytest.approx((0.045 / 2) ** 0.5)
+    assert row["gsm8k avg@4 A - B"] == pytest.approx(0.55 - 0.25)
+    assert row["gsm8k avg@4 se"] == pytest.approx((0.005 / 2 + 0.005 / 2) ** 0.5)
+
+
 def test_tables_put_the_papers_numbers_beside_ours(results):
     (results / "bench/notes.txt").write_text("a file of no kind the report knows")
     (results / "run.json").write_text("{}")  # the workflow's record of the run
