@@ -28,7 +28,7 @@ def test_every_committed_file_is_read(committed):
 
 # Kinds whose table spreads one number over columns (a column per weights, or per M): each
 # measurement of it is one cell.
-SPREAD = {"rollout": ("tok_per_s", ("bf16", "nvfp4", "nf4", "hf-bf16")),
+SPREAD = {"rollout": ("tok_per_s", ("bf16", "nvfp4", "nf4", "hf-bf16", "vllm-bf16", "vllm-nvfp4")),
           "decode_step": ("step_ms", ("bf16", "nvfp4")),
           "kernels": ("speedup_vs_bf16", "M="), "kernel_paths": ("speedup_vs_bf16", "M="),
           "token_tiles": ("speedup_vs_bf16", "M=")}
