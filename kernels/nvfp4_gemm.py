@@ -69,16 +69,21 @@ def gemm_order(x2: torch.Tensor, quads: int, ready: torch.Tensor | None = None
     return out
 
 
+_c = ctypes
+_POINTERS, _LONGS = _c.POINTER(_c.c_void_p), _c.POINTER(_c.c_longlong)
+# qerl_nvfp4_gemm's parameters in nvfp4_gemm.cu's order (a test reads them against it: a
+# missing one shifts the stream into an int, and the call crashes the process).
+ARGTYPES = [
+    _c.c_int, _c.c_void_p, _c.c_longlong, _c.c_int, _POINTERS, _LONGS, _POINTERS, _LONGS,
+    _POINTERS, _POINTERS, _c.POINTER(_c.c_int), _c.c_void_p, _c.c_longlong, _c.c_void_p,
+    _c.c_void_p, _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_void_p]
+
+
 @functools.cache
 def _library(arch: str) -> ctypes.CDLL:
     lib = cuda_build.library(SOURCE, arch)
-    c = ctypes
-    pointers, longs = c.POINTER(c.c_void_p), c.POINTER(c.c_longlong)
-    lib.qerl_nvfp4_gemm.argtypes = [
-        c.c_int, c.c_void_p, c.c_longlong, c.c_int, pointers, longs, pointers, longs, pointers,
-        pointers, c.POINTER(c.c_int), c.c_void_p, c.c_longlong, c.c_void_p, c.c_void_p,
-        c.c_int, c.c_int, c.c_int, c.c_int, c.c_int, c.c_void_p]
-    lib.qerl_nvfp4_gemm.restype = c.c_int
+    lib.qerl_nvfp4_gemm.argtypes = ARGTYPES
+    lib.qerl_nvfp4_gemm.restype = ctypes.c_int
     return lib
 
 

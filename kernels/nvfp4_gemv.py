@@ -33,17 +33,21 @@ SHARED_X_ABOVE = 8  # rows above which a block's warps share x and one K range (
 log = logging.getLogger(__name__)
 
 
+_c = ctypes
+_PTRS, _LONGS = _c.POINTER(_c.c_void_p), _c.POINTER(_c.c_longlong)
+# qerl_nvfp4_gemv's parameters in nvfp4_gemv.cu's order (a test reads them against it).
+ARGTYPES = [
+    _c.c_int, _c.c_void_p, _c.c_longlong, _c.c_int, _PTRS, _LONGS, _PTRS, _LONGS, _PTRS, _PTRS,
+    _c.POINTER(_c.c_int), _c.c_void_p, _c.c_int, _c.c_longlong, _c.c_longlong, _c.c_int,
+    _c.c_int, _c.c_int, _c.c_int, _PTRS, _c.c_int, _c.c_void_p, _c.c_longlong, _c.c_longlong,
+    _c.c_int, _c.c_void_p]
+
+
 @functools.cache
 def _library(arch: str) -> ctypes.CDLL:
     lib = cuda_build.library(SOURCE, arch)
-    c = ctypes
-    ptrs, longs = c.POINTER(c.c_void_p), c.POINTER(c.c_longlong)
-    lib.qerl_nvfp4_gemv.argtypes = [
-        c.c_int, c.c_void_p, c.c_longlong, c.c_int, ptrs, longs, ptrs, longs, ptrs, ptrs,
-        c.POINTER(c.c_int), c.c_void_p, c.c_int, c.c_longlong, c.c_longlong, c.c_int, c.c_int,
-        c.c_int, c.c_int, ptrs, c.c_int, c.c_void_p, c.c_longlong, c.c_longlong, c.c_int,
-        c.c_void_p]
-    lib.qerl_nvfp4_gemv.restype = c.c_int
+    lib.qerl_nvfp4_gemv.argtypes = ARGTYPES
+    lib.qerl_nvfp4_gemv.restype = ctypes.c_int
     return lib
 
 

@@ -3,6 +3,7 @@ architecture, with a clear error where nvcc is missing."""
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 
 import pytest
@@ -61,3 +62,28 @@ def test_nvcc_is_found_on_cuda_home(monkeypatch, tmp_path):
     monkeypatch.delenv("CUDA_HOME")
     monkeypatch.delenv("CUDA_PATH", raising=False)
     assert cuda_build.nvcc() == shutil.which("nvcc")
+
+
+C_TYPES = {"int": ctypes.c_int, "long long": ctypes.c_longlong}
+
+
+def c_parameters(source, function: str) -> list[str]:
+    """The parameter types of ``function``'s definition in a .cu file, as written."""
+    text = source.read_text()
+    start = text.index(f"int {function}(") + len(f"int {function}(")
+    return [" ".join(p.split()[:-1]) for p in text[start:text.index(")", start)].split(",")]
+
+
+@pytest.mark.parametrize(("module", "function"), [(nvfp4_gemm, "qerl_nvfp4_gemm"),
+                                                  (nvfp4_gemv, "qerl_nvfp4_gemv")])
+def test_the_ctypes_signatures_are_the_kernels(module, function):
+    """Each parameter as ctypes passes it, read against the C definition: an argument too
+    many for ARGTYPES goes through as a C int, and a 64-bit stream handle cut to 32 bits
+    crashed the process (a GEMM branch that added a parameter)."""
+    params = c_parameters(module.SOURCE, function)
+    assert len(params) == len(module.ARGTYPES), params
+    for written, given in zip(params, module.ARGTYPES, strict=True):
+        if "*" in written:
+            assert given is ctypes.c_void_p or issubclass(given, ctypes._Pointer), written
+        else:
+            assert given is C_TYPES[written], written
