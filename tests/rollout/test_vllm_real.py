@@ -26,6 +26,8 @@ QUESTIONS = ["What is 17 + 25?", "Name the capital of France.", "Count from one 
 # Greedy picks that differ by less than this (nats, under our policy) are near-ties: NVFP4
 # in vLLM's kernel (Marlin FP4) and ours round bf16 sums differently.
 TIE = 0.1
+# Every vLLM here runs eagerly: compiling and capturing graphs took ~3 of each test's ~4
+# minutes (H200), and the tests are about numbers, not speed.
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +75,7 @@ def test_vllm_serves_qerls_export_and_samples_what_the_policy_would(vllm, smollm
     greedy = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
     ours = Engine(policy, max_batch=4, max_seq_len=256).generate(prompts(), greedy)
     theirs = VLLMEngine(policy, tmp_path, max_batch=4, max_seq_len=256,
-                        gpu_memory_utilization=0.3).generate(prompts(), greedy)
+                        gpu_memory_utilization=0.3, enforce_eager=True).generate(prompts(), greedy)
     for prompt, a, b in zip(prompts(), ours.tokens, theirs.tokens, strict=True):
         assert len(b) == 24
         assert margins(policy, prompt, b).max() < TIE, (seed, a, b)
@@ -93,7 +95,7 @@ def test_each_push_reaches_vllm_and_its_logprobs_are_the_policys(vllm, smollm2, 
     aqn = AQNSettings(num_stages=2, sigma_start=0.1, sigma_end=0.1)
     policy = build_policy("qerl", smollm2, aqn=aqn, total_steps=2, device="cuda")
     engine = VLLMEngine(policy, tmp_path, max_batch=4, max_seq_len=256,
-                        gpu_memory_utilization=0.3)
+                        gpu_memory_utilization=0.3, enforce_eager=True)
     params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=seed)
     randomize_adapter(policy, seed)
     first = engine.generate(prompts(), params)
@@ -134,7 +136,7 @@ def test_an_exported_adapter_loads_in_vllm_as_users_load_it(vllm, smollm2, tmp_p
     randomize_adapter(policy, seed)
     out = export_for_vllm(policy, tmp_path / "export")
     llm = vllm.LLM(model=str(out / "base"), enable_lora=True, max_lora_rank=policy.lora.rank,
-                   gpu_memory_utilization=0.3, max_model_len=256)
+                   gpu_memory_utilization=0.3, max_model_len=256, enforce_eager=True)
     done = llm.generate([{"prompt_token_ids": p} for p in prompts()],
                         vllm.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
                         lora_request=LoRARequest("trained", 1, str(out / "adapter")))
