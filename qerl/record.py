@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import importlib.metadata
+import os
 import platform
 from datetime import datetime, timezone
 from pathlib import Path
@@ -45,7 +46,15 @@ def provenance(device: str) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "triton": version("triton"),
+        "qerl": code_version(),
     }
+
+
+def code_version() -> str:
+    """qerl's version, and the commit it was built from where known (QERL_COMMIT: the
+    workflow sets it from its checkout, the Docker image from its build)."""
+    commit = os.environ.get("QERL_COMMIT")
+    return f"{version('qerl')}+{commit[:12]}" if commit else version("qerl")
 
 
 def per_card(name: str, card: str, suffix: str = ".csv") -> str:

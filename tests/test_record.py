@@ -27,3 +27,14 @@ def test_provenance_names_the_card_and_versions():
     row = provenance("cpu")
     assert {"date", "card", "device", "torch", "transformers", "triton"} <= set(row)
     assert row["card"] and row["device"] == "cpu"
+
+
+def test_provenance_names_the_code_that_ran(monkeypatch):
+    """Runs of two versions of qerl can differ by more than their seeds do (the science
+    study's two batches): every row says which it was, with the workflow's commit."""
+    from qerl.record import version
+
+    monkeypatch.delenv("QERL_COMMIT", raising=False)
+    assert provenance("cpu")["qerl"] == version("qerl") != ""
+    monkeypatch.setenv("QERL_COMMIT", "8333badc8cc252e518d1be265946552e316f8c86")
+    assert provenance("cpu")["qerl"] == f"{version('qerl')}+8333badc8cc2"

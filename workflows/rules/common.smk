@@ -48,6 +48,36 @@ ON_WHOLE_GPU = f"{_SLOT} --whole -- " if USES_GPU else ""
 WHOLE_GPU = USES_GPU * GPU_JOBS  # the slots such a job counts for
 
 
+def _commit() -> str | None:
+    """The checkout's commit, "-dirty" when tracked files differ from it. A copy without git
+    (the Docker image leaves .git out) has the one it was built from in QERL_COMMIT, else
+    None."""
+    def git(*args):
+        try:
+            return subprocess.run(["git", "-C", workflow.basedir, *args], capture_output=True,
+                                  text=True, timeout=60)
+        except FileNotFoundError:  # no git installed
+            return subprocess.CompletedProcess(args, 1)
+
+    head = git("rev-parse", "HEAD")
+    if head.returncode:
+        return os.environ.get("QERL_COMMIT") or None
+    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def _shared_commit() -> str | None:
+    """The commit, handed to every job too (qerl.record.provenance reads QERL_COMMIT): runs
+    of two versions can differ by more than their seeds do."""
+    commit = _commit()
+    if commit:
+        os.environ.update(QERL_COMMIT=commit)
+    return commit
+
+
+COMMIT = _shared_commit()
+
+
 def _check_models():
     tokenizers = config.get("tokenizers", {})
     for name, source in MODELS.items():

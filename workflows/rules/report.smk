@@ -80,24 +80,6 @@ def _card() -> str:
             or "unknown (nvidia-smi sees no GPU)")
 
 
-def _commit() -> str | None:
-    """The checkout's commit, "-dirty" when tracked files differ from it. A copy without git
-    (the Docker image leaves .git out) has the one it was built from in QERL_COMMIT, else
-    None."""
-    def git(*args):
-        try:
-            return subprocess.run(["git", "-C", workflow.basedir, *args], capture_output=True,
-                                  text=True, timeout=60)
-        except FileNotFoundError:  # no git installed
-            return subprocess.CompletedProcess(args, 1)
-
-    head = git("rev-parse", "HEAD")
-    if head.returncode:
-        return os.environ.get("QERL_COMMIT") or None
-    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
-    return head.stdout.strip() + ("-dirty" if dirty else "")
-
-
 def _when(seconds: float) -> str:
     return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat(
         timespec="seconds")
@@ -117,7 +99,7 @@ def write_run_record():
                 rows = list(csv.DictReader(f, delimiter="\t"))
             jobs[str(tsv.relative_to(root).with_suffix(""))] = round(float(rows[-1]["s"]), 1)
     ended = time.time()
-    record = {"card": _card(), "commit": _commit(), "command": shlex.join(sys.argv),
+    record = {"card": _card(), "commit": COMMIT, "command": shlex.join(sys.argv),
               "started": _when(STARTED), "ended": _when(ended),
               "wall_s": round(ended - STARTED, 1), "jobs_s": jobs}
     Path(RESULTS, "run.json").write_text(json.dumps(record, indent=1) + "\n")
