@@ -299,9 +299,70 @@ def efficiency(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
                     "method"])
 
 
+# The settings the headline quotes: the rollout of the paper's 7B figure at the batch
+# sizes RL samples, and the layers that hold most of a model's weights.
+HEADLINE_ROLLOUT = {"model": "qwen2.5-7b", "lora_rank": 32, "prompt_len": 256,
+                    "gen_len": 1024, "fused": 1}
+HEADLINE_KERNELS = {"models": ("qwen2.5-7b", "qwen2.5-32b"), "layers": ("gate_up", "down"),
+                    "m": (1, 64, 128, 256, 2048)}
+
+
+def headline(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
+    """The claims, a line each with the setting it holds at (batch, rows, completions a
+    step) and the card, taken from the tables beside it: rollout tokens/s of NVFP4 over
+    BF16 and over vLLM on the same weights (7B, LoRA r32, prompt 256, 1024 generated), one
+    RL step of qerl over LoRA, the NVFP4 matmul over cuBLAS BF16 (7B and 32B gate_up and
+    down, forward), and the largest RL step that ran on one card."""
+    rows = []
+
+    def add(claim, card, setting, value, unit, source, paper_value=None):
+        if pd.notna(value):
+            rows.append({"claim": claim, "card": card, "setting": setting,
+                         "value": value, "unit": unit, "paper": paper_value,
+                         "table": source})
+
+    roll = rollout(frames, paper)
+    if not roll.empty:
+        chosen = roll[(roll[list(HEADLINE_ROLLOUT)] == pd.Series(HEADLINE_ROLLOUT)).all(axis=1)]
+        for _, r in chosen.iterrows():
+            setting = (f"{r.model}, LoRA r{r.lora_rank:g}, batch {r.batch:g}, prompt "
+                       f"{r.prompt_len:g} / {r.gen_len:g} generated")
+            add("rollout tokens/s, NVFP4 / BF16", r.card, setting, r.get("nvfp4/bf16"), "x",
+                "rollout.md", r.get("paper qerl/lora"))
+            for weights, name in (("nvfp4", "NVFP4"), ("bf16", "BF16")):
+                add(f"rollout tokens/s, ours / vLLM ({name})", r.card, setting,
+                    r.get(f"{weights}/vllm"), "x", "rollout.md")
+    step = efficiency(frames, paper)
+    if not step.empty:
+        for _, r in step[step.method == "qerl"].iterrows():
+            setting = (f"{r.model}, {r.prompts:g} prompts x {r.generations:g} x "
+                       f"{r.completion:g} tokens, LoRA r{r.lora_rank:g}"
+                       + (", gradient checkpointing" if r.get("grad_ckpt") else ""))
+            add("RL step, LoRA time / qerl time", r.card, setting, r.speed_vs_lora, "x",
+                "efficiency.md", r.get("paper speed vs lora"))
+        ok = step.status == "ok" if "status" in step else True  # older rows: no status
+        ran = step[(step.method == "qerl") & ok]
+        for card, part in ran.groupby("card"):
+            biggest = part.loc[_by_size(part.model).idxmax()]
+            add("largest qerl RL step on one card", card,
+                f"{biggest.model}, {biggest.prompts:g} x {biggest.generations:g} x "
+                f"{biggest.completion:g} tokens", biggest.get("peak_gb"), "GB peak",
+                "efficiency.md")
+    matmul = kernels(frames, paper)
+    if not matmul.empty:
+        chosen = matmul[matmul.model.isin(HEADLINE_KERNELS["models"])
+                        & matmul.layer.isin(HEADLINE_KERNELS["layers"]) & (matmul.op == "fwd")]
+        for _, r in chosen.iterrows():
+            for m in HEADLINE_KERNELS["m"]:
+                add("NVFP4 matmul / cuBLAS BF16 (speed)", r.card,
+                    f"{r.model} {r.layer}, forward, M = {m} rows", r.get(f"M={m}"), "x",
+                    "kernels.md")
+    return pd.DataFrame(rows)
+
+
 TABLES = {
-    "accuracy": accuracy, "external": external, "training": training, "science": science,
-    "science_contrasts": science_contrasts,
+    "headline": headline, "accuracy": accuracy, "external": external, "training": training,
+    "science": science, "science_contrasts": science_contrasts,
     "entropy": entropy, "rollout": rollout, "kernels": kernels, "kernel_paths": kernel_paths,
     "token_tiles": token_tiles,
     "decode_step": decode_step, "efficiency": efficiency,

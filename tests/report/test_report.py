@@ -92,6 +92,39 @@ def test_the_studys_variants_at_one_learning_rate_are_contrasted(results):
     assert row["gsm8k avg@4 se"] == pytest.approx((0.005 / 2 + 0.005 / 2) ** 0.5)
 
 
+def test_the_headline_states_each_claim_with_its_setting_and_card(results):
+    """The headline takes its numbers from the tables: the paper's 7B rollout setting at
+    each batch, each RL step against LoRA's, the largest step that ran, the big layers'
+    matmul by rows; nothing from other settings."""
+    rollout = [{"card": CARD, "model": "qwen2.5-7b", "weights": w, "lora_rank": r,
+                "batch": b, "prompt_len": 256, "gen_len": g, "fused": 1, "tok_per_s": t}
+               for w, r, b, g, t in [("bf16", 32, 64, 1024, 1000.0),
+                                     ("nvfp4", 32, 64, 1024, 1500.0),
+                                     ("vllm-nvfp4", 32, 64, 1024, 1200.0),
+                                     ("bf16", 32, 64, 512, 1.0), ("nvfp4", 32, 64, 512, 9.0),
+                                     ("bf16", 16, 64, 1024, 1.0), ("nvfp4", 16, 64, 1024, 9.0)]]
+    write(results / "bench/rollout/rollout_7b.csv", rollout)
+    write(results / "bench/kernels_x.csv",
+          [{"card": CARD, "model": "qwen2.5-7b", "layer": "gate_up", "op": "fwd", "M": m,
+            "speedup_vs_bf16": v} for m, v in ((64, 1.8), (96, 1.5), (128, 1.3))])
+    report(results)
+    head = pd.read_csv(results / "tables/headline.csv")
+    by = {(r.claim, r.setting): r for r in head.itertuples()}
+    setting = "qwen2.5-7b, LoRA r32, batch 64, prompt 256 / 1024 generated"
+    assert by["rollout tokens/s, NVFP4 / BF16", setting].value == pytest.approx(1.5)
+    assert by["rollout tokens/s, ours / vLLM (NVFP4)", setting].value == pytest.approx(1.25)
+    assert ("rollout tokens/s, ours / vLLM (BF16)", setting) not in by  # vLLM BF16 not run
+    assert sum(c.startswith("rollout") for c, _ in by) == 2  # other ranks and lengths: no
+    step = by["RL step, LoRA time / qerl time", "qwen2.5-7b, 4 prompts x 8 x 512 tokens, "
+              "LoRA r32"]
+    assert step.value == pytest.approx(1.25) and step.paper == 1.2 and step.card == CARD
+    largest = by["largest qerl RL step on one card", "qwen2.5-7b, 4 x 8 x 512 tokens"]
+    assert (largest.value, largest.unit) == (40.0, "GB peak")
+    matmul = {s: r.value for (c, s), r in by.items() if c.startswith("NVFP4 matmul")}
+    assert matmul == {"qwen2.5-7b gate_up, forward, M = 64 rows": 1.8,
+                      "qwen2.5-7b gate_up, forward, M = 128 rows": 1.3}  # M = 96: not quoted
+
+
 def test_tables_put_the_papers_numbers_beside_ours(results):
     (results / "bench/notes.txt").write_text("a file of no kind the report knows")
     (results / "run.json").write_text("{}")  # the workflow's record of the run
@@ -103,7 +136,7 @@ def test_tables_put_the_papers_numbers_beside_ours(results):
     written = report(results, note="Tiny model: zeros expected.")
     assert written["unread"] == [str(results / "bench/notes.txt"),
                                  str(results / "eval/run.json")]
-    assert set(written["tables"]) == {"accuracy", "external", "rollout", "training",
+    assert set(written["tables"]) == {"headline", "accuracy", "external", "rollout", "training",
                                       "efficiency", "science", "entropy"}
     study = pd.read_csv(results / "tables/science.csv").set_index("variant")
     assert study.loc["qerl", "seeds"] == 2 and study.loc["qerl", "steps"] == 4
