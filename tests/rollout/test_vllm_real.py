@@ -120,7 +120,7 @@ def test_each_push_reaches_vllm_and_its_logprobs_are_the_policys(vllm, smollm2, 
     gap = {name: (got - ref).abs().mean().item()
            for name, ref in (("now", now), ("clean", clean), ("before", before))}
     assert second.tokens != first.tokens or second.logprobs != first.logprobs
-    assert gap["now"] < 0.15 and (got - now).abs().max() < 1.0, (seed, gap)
+    assert gap["now"] < 0.2 and (got - now).abs().max() < 1.0, (seed, gap)
     assert gap["now"] < 0.5 * gap["clean"] and gap["now"] < 0.5 * gap["before"], (seed, gap)
 
 
