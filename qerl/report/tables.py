@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 
 from qerl.methods import METHODS
-from qerl.report.collect import KINDS
+from qerl.report.collect import KINDS, PAIR_WINDOW_HOURS
 from qerl.rl.phases import PHASES
 
 PAPER_METRIC = {"gsm8k": "gsm8k_accuracy", "math500": "math500_accuracy"}
@@ -53,12 +53,26 @@ def _wide(frame: pd.DataFrame, index: list[str], columns: str, values: str) -> p
 def _by_weights(frame: pd.DataFrame, kind: str, value: str, speedup: str) -> pd.DataFrame:
     """A row per card, model and setting of ``kind``, a column of ``value`` per weights, and
     NVFP4's speed-up over BF16 (``speedup``: "nvfp4/bf16" for a rate, "bf16/nvfp4" for a
-    time) where both ran."""
-    wide = _wide(frame, ["card", "model", *KINDS[kind].setting], "method", value)
-    if {"bf16", "nvfp4"} <= set(wide.columns):
-        over, under = speedup.split("/")
-        wide[speedup] = wide[over] / wide[under]
+    time) where both ran in one run (``ratio``)."""
+    index = ["card", "model", *KINDS[kind].setting]
+    wide = _wide(frame, index, "method", value)
+    dates = _wide(frame, index, "method", "date") if "date" in frame else None
+    over, under = speedup.split("/")
+    ratio(wide, dates, speedup, over, under)
     return wide
+
+
+def ratio(wide: pd.DataFrame, dates: pd.DataFrame | None, name: str, over: str,
+          under: str) -> None:
+    """wide[name] = wide[over] / wide[under] where both were measured, and within
+    PAIR_WINDOW_HOURS of each other where dated: the newest row of each can come from
+    different runs, and a ratio across runs (another day, another version) is no ratio."""
+    if not {over, under} <= set(wide.columns):
+        return
+    wide[name] = wide[over] / wide[under]
+    if dates is not None:
+        apart = (pd.to_datetime(dates[over]) - pd.to_datetime(dates[under])).abs()
+        wide.loc[(apart > pd.Timedelta(hours=PAIR_WINDOW_HOURS)).to_numpy(), name] = None
 
 
 def listing(kind: str):
@@ -221,9 +235,10 @@ def rollout(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
     vllm = ours.method.str.startswith("vllm-")
     ours = ours.assign(fused=ours.fused.where(~vllm, 1))  # beside the engine as it runs
     wide = _by_weights(ours, "rollout", "tok_per_s", "nvfp4/bf16")
+    dates = (_wide(ours, ["card", "model", *KINDS["rollout"].setting], "method", "date")
+             if "date" in ours else None)
     for weights in ("bf16", "nvfp4"):
-        if {weights, f"vllm-{weights}"} <= set(wide.columns):
-            wide[f"{weights}/vllm"] = wide[weights] / wide[f"vllm-{weights}"]
+        ratio(wide, dates, f"{weights}/vllm", weights, f"vllm-{weights}")
     ref = paper[paper.metric == "rollout_throughput"]
     by_rank = {(paper_model(r.model), r.method, r.lora_rank): r.value for r in ref.itertuples()}
     unranked = {(paper_model(r.model), r.method): r.value for r in ref.itertuples()

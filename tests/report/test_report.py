@@ -125,6 +125,25 @@ def test_the_headline_states_each_claim_with_its_setting_and_card(results):
                       "qwen2.5-7b gate_up, forward, M = 128 rows": 1.3}  # M = 96: not quoted
 
 
+def test_a_ratio_pairs_rows_of_one_run_only(results):
+    """The newest BF16 and NVFP4 rows of a setting can come from runs days apart (another
+    version): their ratio is left empty, as a step's speed against LoRA's is."""
+    rows = [{"card": CARD, "model": "qwen2.5-7b", "weights": w, "lora_rank": 32, "batch": b,
+             "prompt_len": 256, "gen_len": 1024, "fused": 1, "date": d, "tok_per_s": t}
+            for w, b, d, t in [("bf16", 64, "2026-01-01 10:00", 1000.0),
+                               ("nvfp4", 64, "2026-01-01 10:20", 1500.0),
+                               ("bf16", 128, "2026-01-01 10:00", 1000.0),
+                               ("nvfp4", 128, "2026-01-03 10:00", 1500.0),
+                               ("vllm-nvfp4", 128, "2026-01-03 10:30", 1200.0)]]
+    write(results / "bench/rollout/rollout_dated.csv", rows)
+    report(results)
+    table = pd.read_csv(results / "tables/rollout.csv")
+    table = table[table.model == "qwen2.5-7b"].set_index("batch")
+    assert table.loc[64, "nvfp4/bf16"] == pytest.approx(1.5)
+    assert pd.isna(table.loc[128, "nvfp4/bf16"])  # two days apart
+    assert table.loc[128, "nvfp4/vllm"] == pytest.approx(1.25)  # half an hour apart
+
+
 def test_tables_put_the_papers_numbers_beside_ours(results):
     (results / "bench/notes.txt").write_text("a file of no kind the report knows")
     (results / "run.json").write_text("{}")  # the workflow's record of the run
