@@ -125,6 +125,21 @@ def stand_in_nvidia_smi(tmp: Path) -> Path:
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU is visible")
+def test_the_local_profile_runs_the_gpu_configuration_on_one_gpu(tmp_path):
+    """The profile's documented command with gpu.yaml passes the slots check (its GPU
+    slots match gpu.yaml's gpu_jobs) and runs a job."""
+    smi = stand_in_nvidia_smi(tmp_path)
+    gpu = {**config("gpu"), "work_dir": str(tmp_path / "work"),
+           "results_dir": str(tmp_path / "results")}
+    target = tmp_path / "work/eval/lighteval-data/aime24/train.jsonl"
+    done = snakemake(str(target), "--profile", "workflows/profiles/local", config=gpu,
+                     tmp=tmp_path, env={"PATH": f"{smi.parent}:{os.environ['PATH']}",
+                                        "CUDA_VISIBLE_DEVICES": "0"})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert target.read_text() == (ROOT / "tests/data/aime24_test.jsonl").read_text()
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU is visible")
 def test_shared_gpus_need_the_slots_to_match(tmp_path):
     """gpu_jobs: 2 with --resources gpu=1 could never start a benchmark: it says so before
     any job (on a machine a stand-in nvidia-smi says has GPUs, whichever
