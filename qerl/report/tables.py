@@ -50,15 +50,17 @@ def _wide(frame: pd.DataFrame, index: list[str], columns: str, values: str) -> p
     return wide.reset_index()
 
 
-def _by_weights(frame: pd.DataFrame, kind: str, value: str, speedup: str) -> pd.DataFrame:
+def _by_weights(frame: pd.DataFrame, kind: str, value: str, speedup: str,
+                more: tuple = ()) -> pd.DataFrame:
     """A row per card, model and setting of ``kind``, a column of ``value`` per weights, and
     NVFP4's speed-up over BF16 (``speedup``: "nvfp4/bf16" for a rate, "bf16/nvfp4" for a
-    time) where both ran in one run (``ratio``)."""
+    time) where both ran in one run (``ratio``), and the ratios ``more`` names as
+    (column, over, under)."""
     index = ["card", "model", *KINDS[kind].setting]
     wide = _wide(frame, index, "method", value)
     dates = _wide(frame, index, "method", "date") if "date" in frame else None
-    over, under = speedup.split("/")
-    ratio(wide, dates, speedup, over, under)
+    for name, over, under in ((speedup, *speedup.split("/")), *more):
+        ratio(wide, dates, name, over, under)
     return wide
 
 
@@ -234,11 +236,8 @@ def rollout(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     vllm = ours.method.str.startswith("vllm-")
     ours = ours.assign(fused=ours.fused.where(~vllm, 1))  # beside the engine as it runs
-    wide = _by_weights(ours, "rollout", "tok_per_s", "nvfp4/bf16")
-    dates = (_wide(ours, ["card", "model", *KINDS["rollout"].setting], "method", "date")
-             if "date" in ours else None)
-    for weights in ("bf16", "nvfp4"):
-        ratio(wide, dates, f"{weights}/vllm", weights, f"vllm-{weights}")
+    wide = _by_weights(ours, "rollout", "tok_per_s", "nvfp4/bf16",
+                       more=[(f"{w}/vllm", w, f"vllm-{w}") for w in ("bf16", "nvfp4")])
     ref = paper[paper.metric == "rollout_throughput"]
     by_rank = {(paper_model(r.model), r.method, r.lora_rank): r.value for r in ref.itertuples()}
     unranked = {(paper_model(r.model), r.method): r.value for r in ref.itertuples()
