@@ -37,6 +37,12 @@ def snakemake(*args, config: dict | None = None, tmp: Path | None = None,
                           env=environment)
 
 
+def shell_commands(done) -> list[str]:
+    """The shell commands a dry run with -p printed."""
+    return [line for line in (done.stdout + done.stderr).splitlines()
+            if line.startswith("Shell command:")]
+
+
 def job_counts(output: str) -> dict[str, int]:
     lines = output.split("Job stats:")[1].splitlines()[3:]
     counts = {}
@@ -99,8 +105,7 @@ def test_the_rehearsal_shares_its_gpu_but_times_alone():
     base evaluations cap their generations and run without network."""
     done = snakemake("-n", "-p", "--forceall", "--configfile", "workflows/config/rehearsal.yaml")
     assert done.returncode == 0, done.stderr[-3000:]
-    commands = [line for line in (done.stdout + done.stderr).splitlines()
-                if line.startswith("Shell command:") and "gpu_slot.py" in line]
+    commands = [line for line in shell_commands(done) if "gpu_slot.py" in line]
     whole = [line for line in commands if "--share 2 --whole --" in line]
     shared = [line for line in commands if "--share 2 -- " in line]
     assert len(whole) + len(shared) == len(commands)
@@ -284,8 +289,7 @@ def test_gpu_jobs_of_a_gpu_configuration_go_through_the_gpu_slot():
     is the arithmetic task's held-out draw."""
     done = snakemake("-n", "-p", "--forceall", "--configfile", "workflows/config/gpu.yaml",
                      "workflows/config/science.yaml", "--", "science_all")
-    commands = [line for line in (done.stdout + done.stderr).splitlines()
-                if line.startswith("Shell command:")]
+    commands = shell_commands(done)
     assert done.returncode == 0 and commands
     assert all("gpu_slot.py" in line for line in commands if " qerl " in line)
     held_out = [line for line in commands if " qerl eval " in line]
@@ -309,8 +313,7 @@ def test_the_one_gpu_configurations_base_evaluations_batch_their_generations():
     sets both, so that its whole run stays near half an hour."""
     done = snakemake("-n", "-p", "--forceall", "--configfile", "workflows/config/gpu.yaml",
                      "--", "base_eval_all")
-    commands = [line for line in (done.stdout + done.stderr).splitlines()
-                if line.startswith("Shell command:")]
+    commands = shell_commands(done)
     lm_eval = [line for line in commands if "lm_eval run" in line]
     lighteval = [line for line in commands if "lighteval_offline.py accelerate" in line]
     assert done.returncode == 0 and lm_eval and lighteval
@@ -327,8 +330,7 @@ def test_a_benchmark_that_runs_on_the_cpu_holds_no_gpu():
     four minutes of a GPU run); the others hold a GPU alone."""
     done = snakemake("-n", "-p", "--forceall", "--configfile", "workflows/config/gpu.yaml",
                      "--", "bench_all")
-    out = done.stdout + done.stderr
-    commands = [line for line in out.splitlines() if line.startswith("Shell command:")]
+    commands = shell_commands(done)
     assert done.returncode == 0
     fidelity = [line for line in commands if "qerl bench fidelity" in line]
     timed = [line for line in commands if "qerl bench " in line and line not in fidelity]
