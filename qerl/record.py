@@ -54,7 +54,9 @@ def code_version() -> str:
     """qerl's version, and the commit it was built from where known (QERL_COMMIT: the
     workflow sets it from its checkout, the Docker image from its build)."""
     commit = os.environ.get("QERL_COMMIT")
-    return f"{version('qerl')}+{commit[:12]}" if commit else version("qerl")
+    if not commit:
+        return version("qerl")
+    return f"{version('qerl')}+{commit[:12]}{'-dirty' if commit.endswith('-dirty') else ''}"
 
 
 def per_card(name: str, card: str, suffix: str = ".csv") -> str:

@@ -38,3 +38,6 @@ def test_provenance_names_the_code_that_ran(monkeypatch):
     assert provenance("cpu")["qerl"] == version("qerl") != ""
     monkeypatch.setenv("QERL_COMMIT", "8333badc8cc252e518d1be265946552e316f8c86")
     assert provenance("cpu")["qerl"] == f"{version('qerl')}+8333badc8cc2"
+    # A checkout with changes the commit lacks says so (the workflow's "-dirty").
+    monkeypatch.setenv("QERL_COMMIT", "8333badc8cc252e518d1be265946552e316f8c86-dirty")
+    assert provenance("cpu")["qerl"] == f"{version('qerl')}+8333badc8cc2-dirty"
