@@ -67,6 +67,10 @@ def test_a_model_on_the_gpu_gets_the_noise_it_would_get_on_the_cpu(tiny_model_di
               .to(device) for device in ("cpu", "cuda")}
     relative = {device: nvfp4_matched_noise(model, seed) for device, model in models.items()}
     assert relative["cpu"].keys() == relative["cuda"].keys()
+    # First the sigmas (each layer's NVFP4 error, quantized on its model's device), then
+    # the weights: a failure says which of the two differs.
+    for name, error in relative["cpu"].items():
+        assert relative["cuda"][name] == pytest.approx(error, rel=1e-6), (name, seed)
     for name, w in models["cpu"].state_dict().items():
         moved = models["cuda"].state_dict()[name].cpu()
         torch.testing.assert_close(moved, w, rtol=1e-5, atol=1e-6, msg=(name, seed))

@@ -317,8 +317,9 @@ def test_the_one_gpu_configurations_base_evaluations_batch_their_generations():
     lm_eval = [line for line in commands if "lm_eval run" in line]
     lighteval = [line for line in commands if "lighteval_offline.py accelerate" in line]
     assert done.returncode == 0 and lm_eval and lighteval
-    assert all("--batch_size 64" in line for line in lm_eval)
-    assert all("batch_size=64," in line for line in lighteval)
+    settings = config("gpu")["base_eval"]
+    assert all(f"--batch_size {settings['batch_size']}" in line for line in lm_eval)
+    assert all(f"batch_size={settings['batch_size_lighteval']}," in line for line in lighteval)
     # Every lighteval task reads the repository's copy (a task without one goes to the hub).
     copies = [line for line in commands if "lighteval_data" in line or "lighteval-data/" in line]
     for task in ("math_500", "aime24", "aime25"):

@@ -38,8 +38,11 @@ from qerl.errors import QerlError
 COLUMNS = ["kind", "card", "model", "recipe", "method", "bench", "metric", "value", "source"]
 IDENTITY = ["model", "recipe", "method", "bench"]
 EVAL_METRICS = ("avg@", "pass@")
+# Mean |log p_sampler - log p_trainer| a token: what the rollout engine (ours or vLLM)
+# and the training forward disagree by.
+MISMATCH = "mismatch/logp_diff_mean"
 TRAIN_METRICS = ("reward", "entropy", "loss", "step_time", "rollout/tokens_per_s",
-                 "memory/peak_gb", "aqn/sigma")
+                 "memory/peak_gb", "aqn/sigma", MISMATCH)
 # A ratio pairs a step with the LoRA step measured within this time of it: one run, or runs
 # back to back on one machine, so that no ratio mixes code versions or machines.
 PAIR_WINDOW_HOURS = 1.0
@@ -67,15 +70,18 @@ def _path_names(path: Path, *names: str, above: int = 1) -> dict[str, str]:
 
 
 def _run_context(folder: Path) -> tuple[dict, list[Path]]:
-    """The card (provenance.json) and learning rate (config.yaml) of a training run."""
+    """The card (provenance.json), learning rate and rollout backend (config.yaml) of a
+    training run."""
     context, read = {}, []
     provenance, config = folder / "provenance.json", folder / "config.yaml"
     if provenance.is_file():
         context["card"] = json.loads(provenance.read_text()).get("card")
         read.append(provenance)
     if config.is_file():
-        train = (yaml.safe_load(config.read_text()) or {}).get("train") or {}
+        settings = yaml.safe_load(config.read_text()) or {}
+        train = settings.get("train") or {}
         context["learning_rate_set"] = train.get("learning_rate")
+        context["backend"] = (settings.get("engine") or {}).get("backend")
         read.append(config)
     return context, read
 

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from qerl.record import per_card
-from qerl.report.collect import STEP_SETTINGS
+from qerl.report.collect import MISMATCH, STEP_SETTINGS
 from qerl.report.tables import ROLLOUT_METHOD, efficiency, paper_model
 from qerl.rl.phases import PHASES
 
@@ -35,12 +35,12 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 
-def _by_step(frame: pd.DataFrame, draw, title: str, path: Path) -> Path:
-    """Reward and entropy side by side against the step; ``draw(ax, frame, metric)`` plots
-    one metric."""
+def _by_step(frame: pd.DataFrame, draw, title: str, path: Path,
+             metrics: tuple[str, ...] = ("reward", "entropy")) -> Path:
+    """``metrics`` side by side against the step; ``draw(ax, frame, metric)`` plots one."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for ax, metric in zip(axes, ["reward", "entropy"], strict=True):
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.8))
+    for ax, metric in zip(axes, metrics, strict=True):
         draw(ax, frame, metric)
         ax.set(xlabel="step", ylabel=metric, title=metric)
         ax.legend(fontsize=7)
@@ -50,7 +50,8 @@ def _by_step(frame: pd.DataFrame, draw, title: str, path: Path) -> Path:
 
 def curves(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
     """One figure per (model, recipe) of `qerl train` runs: reward and entropy by step, a
-    line per method."""
+    line per method, and the sampler/trainer mismatch where the runs logged it (runs on
+    each rollout backend side by side)."""
     runs = frames.get("train")
     if runs is None:
         return []
@@ -61,7 +62,12 @@ def curves(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
                 run = run.sort_values("step")
                 ax.plot(run.step, run[metric], marker="o", label=method)
 
-    return [_by_step(group, draw, f"{model} {recipe}", out / f"curves_{model}_{recipe}.png")
+    def metrics(group):
+        logged = MISMATCH in group and group[MISMATCH].notna().any()
+        return ("reward", "entropy", MISMATCH) if logged else ("reward", "entropy")
+
+    return [_by_step(group, draw, f"{model} {recipe}", out / f"curves_{model}_{recipe}.png",
+                     metrics(group))
             for (model, recipe), group in runs.groupby(["model", "recipe"])]
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 
 from qerl.methods import METHODS
-from qerl.report.collect import KINDS, PAIR_WINDOW_HOURS
+from qerl.report.collect import KINDS, MISMATCH, PAIR_WINDOW_HOURS
 from qerl.rl.phases import PHASES
 
 PAPER_METRIC = {"gsm8k": "gsm8k_accuracy", "math500": "math500_accuracy"}
@@ -122,9 +122,13 @@ def external(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
                 ].rename(columns={"method": "tool"})
 
 
+def _mean(run: pd.DataFrame, column: str) -> float:
+    return run.get(column, pd.Series(dtype=float)).mean()
+
+
 def training(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
-    """One line per run: its card and learning rate, steps, last reward and entropy, mean
-    step time, peak memory."""
+    """One line per run: its card, learning rate and rollout backend, steps, last reward
+    and entropy, mean step time, rollout time and sampler/trainer mismatch, peak memory."""
     ours = frames.get("train")
     if ours is None:
         return pd.DataFrame()
@@ -134,9 +138,12 @@ def training(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
         rows.append({"model": model, "recipe": recipe, "method": method,
                      "card": run.card.iloc[0],
                      "learning rate": run.get("learning_rate_set", pd.Series([None])).iloc[0],
+                     "backend": run.get("backend", pd.Series([None])).iloc[0],
                      "steps": int(run.step.max()), "reward (last)": last.get("reward"),
                      "entropy (last)": last.get("entropy"),
-                     "step time (s, mean)": run.get("step_time", pd.Series(dtype=float)).mean(),
+                     "step time (s, mean)": _mean(run, "step_time"),
+                     "rollout (s, mean)": _mean(run, "time/rollout_s"),
+                     "mismatch |d log p| (mean)": _mean(run, MISMATCH),
                      "peak GB": run.get("memory/peak_gb", pd.Series(dtype=float)).max()})
     return _sorted(pd.DataFrame(rows), ["model", "recipe", "method"])
 

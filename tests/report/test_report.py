@@ -12,7 +12,7 @@ import pytest
 from qerl.cli import main
 from qerl.errors import QerlError
 from qerl.report.check import DriftError, drifts
-from qerl.report.collect import collect, speed_vs_lora
+from qerl.report.collect import MISMATCH, collect, speed_vs_lora
 from qerl.report.run import report
 
 CARD = "NVIDIA H100 80GB HBM3"
@@ -334,3 +334,24 @@ def test_vllms_rollout_rows_sit_beside_the_engines(tmp_path):
     assert table.loc[(32, 1), "nvfp4/bf16"] == pytest.approx(1.5)
     assert pd.isna(table.loc[(32, 0), "vllm-nvfp4"])
     assert table.loc[(0, 1), "vllm-nvfp4"] == 2000.0 and pd.isna(table.loc[(0, 1), "nvfp4"])
+
+
+def test_runs_on_each_rollout_backend_sit_side_by_side_with_their_mismatch(tmp_path):
+    """The same recipe trained with our engine and with vLLM: one line each in the
+    training table, naming the backend, with the mean sampler/trainer mismatch."""
+    root = tmp_path / "results"
+    for method, backend, gap in (("qerl", "embedded", 0.04), ("qerl-vllm", "vllm", 0.05)):
+        run = root / f"train/smol/backends/{method}"
+        write(run / "metrics.csv", [{"step": k, "reward": 0.1 * k, "entropy": 2.0,
+                                     "time/rollout_s": 1.0 + k, MISMATCH: gap + k / 100}
+                                    for k in (1, 2, 3)])
+        (run / "config.yaml").write_text(f"engine:\n  backend: {backend}\n")
+    written = report(root)
+    training = pd.read_csv(root / "tables/training.csv").set_index("method")
+    assert training.loc["qerl", "backend"] == "embedded"
+    assert training.loc["qerl-vllm", "backend"] == "vllm"
+    assert training.loc["qerl-vllm", "mismatch |d log p| (mean)"] == pytest.approx(0.07)
+    assert training.loc["qerl", "rollout (s, mean)"] == pytest.approx(3.0)
+    assert "curves_smol_backends.png" in written["figures"]
+    values = pd.read_csv(root / "tables/values.csv").set_index("key").value
+    assert values[f"train/smol/backends/qerl-vllm/step2/{MISMATCH}"] == pytest.approx(0.07)
