@@ -30,13 +30,13 @@ from tests.conftest import (
 IDS = torch.tensor([[5, 17, 99, 3, 64, 8, 120], [1, 2, 3, 4, 5, 6, 7]])
 
 
-def randomize_adapter(policy, seed: int) -> None:
+def randomize_adapter(policy, seed: int, scale: float = 0.05) -> None:
     """LoRA B starts at zero (the adapter a no-op): give every adapter weight values."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in policy.model.named_parameters():
             if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
 
 
 def logits(policy) -> torch.Tensor:

@@ -13,7 +13,7 @@ equal when top-k and top-p are off.
 The translation of requests and results and the push order are tested against a stand-in
 module with vLLM 0.31's API shape (tests/rollout/test_vllm_backend.py); loading, sampling and
 the pushes on a real vLLM by tests/rollout/test_vllm_real.py, on a GPU where vLLM is
-installed beside qerl (not yet seen passing on one).
+installed beside qerl.
 """
 
 from __future__ import annotations
