@@ -9,7 +9,8 @@ Every call reads the policy's current parameters (LoRA, AQN-noised norms, NVFP4 
 place: there is no weight sync. A CUDA graph, captured once per batch size and 256-slot
 bucket of context, holds pointers to those same tensors, so in-place optimizer updates are
 seen by the next replay; after replacing modules or tensors instead (``load_adapter``,
-``model.to(...)``) call ``engine.reset()`` so that the graphs are captured again.
+``model.to(...)``) call ``engine.reset()`` so that the graphs are captured again. A batch
+shrinks to its live sequences once most have stopped (COMPACT_WHEN).
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ SLOT_BUCKET = 256
 # between checks the host queues steps ahead of it (its launch time hidden) at the price
 # of up to this many - 1 wasted steps once all have stopped.
 STOP_CHECK_EVERY = 8
+# A batch keeps decoding until its last sequence stops, and a stopped sequence costs a step
+# as much as a live one (its keys and values are read all the same). Once no more than
+# 1/COMPACT_WHEN of the rows are live, the live ones move to the front of the cache and the
+# batch continues as the next power of two that holds them: a 135M model evaluated 384 at a
+# time mostly decodes for one looping sequence. Batches under COMPACT_FROM rows stay whole
+# (a smaller step saves little there, and every size is one more captured graph).
+COMPACT_WHEN = 4
+COMPACT_FROM = 32
 
 
 class RolloutError(QerlError):
@@ -65,11 +74,13 @@ class Engine:
     generation). ``kv_budget_bytes``, if given, caps the cache; ``Engine.max_batch_for``
     says how many sequences a budget holds. ``fused`` (default: on CUDA) runs the step's
     norms, rotary and LoRA as our kernels (see ``Decoder``). A step attends over the cache
-    up to its slot rounded up to ``slot_bucket`` (see SLOT_BUCKET)."""
+    up to its slot rounded up to ``slot_bucket`` (see SLOT_BUCKET). ``compact`` lets a
+    batch shrink to its live sequences as they stop (see COMPACT_WHEN)."""
 
     def __init__(self, model, max_batch: int, max_seq_len: int,
                  kv_budget_bytes: int | None = None, cuda_graphs: bool = True,
-                 fused: bool | None = None, slot_bucket: int = SLOT_BUCKET):
+                 fused: bool | None = None, slot_bucket: int = SLOT_BUCKET,
+                 compact: bool = True):
         self.model = _base_model(model)
         config = self.model.config
         if config.model_type not in MODEL_TYPES:
@@ -92,6 +103,7 @@ class Engine:
                                else fused)
         self.cache = KVCache.allocate(config, max_batch, max_seq_len, self.dtype, self.device)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.compact = compact
         self._graphs: dict[tuple[int, int], tuple] = {}
 
     @classmethod
@@ -181,6 +193,22 @@ class Engine:
         graph.replay()
         return logits
 
+    def _compacted(self, live: torch.Tensor, slots: int) -> torch.Tensor | None:
+        """When few of the batch's rows are ``live``, the rows to go on with: the live ones,
+        then stopped ones up to the next power of two, moved to the front of the cache (its
+        first ``slots`` slots, which hold every token so far, and the padding); None while
+        the batch stays whole."""
+        count, batch = int(live.sum()), live.numel()
+        if not self.compact or batch < COMPACT_FROM or count * COMPACT_WHEN > batch:
+            return None
+        size = 1 << max(count - 1, 0).bit_length()
+        pick = torch.argsort((~live).to(torch.int8), stable=True)[:size]
+        for layer in range(self.cache.k.shape[0]):  # a layer at a time: little scratch
+            for part in (self.cache.k, self.cache.v):
+                part[layer, :size, :, :slots] = part[layer, pick, :, :slots]
+        self.cache.pad[:size] = self.cache.pad[pick]
+        return pick
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
         self._check(prompts, params)
         batch, longest = len(prompts), max(len(p) for p in prompts)
@@ -198,9 +226,24 @@ class Engine:
             cache.pad.copy_(pad)
             logits = self.decoder(ids.to(self.device), torch.zeros((), dtype=torch.long,
                                                                    device=self.device), cache)
-            tokens, logprobs = [], []
-            done = torch.zeros(batch, dtype=torch.bool, device=self.device)
-            length = torch.full((batch,), params.max_new_tokens, device=self.device)
+            # Per sequence of the call, written at each compaction and at the end; `order`
+            # maps the batch's rows (and `done`, `length`, the steps since `first`) to them.
+            out_tokens = torch.zeros((batch, params.max_new_tokens), dtype=torch.long,
+                                     device=self.device)
+            out_logprobs = torch.zeros((batch, params.max_new_tokens), device=self.device)
+            out_done = torch.zeros(batch, dtype=torch.bool, device=self.device)
+            out_length = torch.full((batch,), params.max_new_tokens, device=self.device)
+            order = torch.arange(batch, device=self.device)
+            first, tokens, logprobs = 0, [], []
+            done, length = out_done.clone(), out_length.clone()
+
+            def flush():
+                if tokens:
+                    steps = slice(first, first + len(tokens))
+                    out_tokens[order, steps] = torch.stack(tokens, 1)
+                    out_logprobs[order, steps] = torch.stack(logprobs, 1).float()
+                out_done[order], out_length[order] = done, length
+
             slots = torch.arange(longest, longest + params.max_new_tokens, device=self.device)
             for t in range(params.max_new_tokens):
                 token, logprob = sample(logits, params, generator, fused=self.decoder.fused)
@@ -210,14 +253,22 @@ class Engine:
                     stopped = torch.isin(token, stops) & ~done
                     length = torch.where(stopped, t + 1, length)
                     done |= stopped
-                    if (t + 1) % STOP_CHECK_EVERY == 0 and bool(done.all()):
-                        break
+                    if (t + 1) % STOP_CHECK_EVERY == 0:
+                        if bool(done.all()):
+                            break
+                        pick = self._compacted(~done, longest + t)
+                        if pick is not None:
+                            flush()
+                            first, tokens, logprobs = t + 1, [], []
+                            order, token = order[pick], token[pick]
+                            done, length = done[pick], length[pick]
                 if t + 1 < params.max_new_tokens:
                     logits = self._decode(token[:, None], longest + t, slots[t])
-        out_tokens = torch.stack(tokens, 1).tolist()
-        out_logprobs = torch.stack(logprobs, 1).tolist()
-        lengths = length.tolist()
-        done = done.tolist()
+            flush()
+        out_tokens = out_tokens.tolist()
+        out_logprobs = out_logprobs.tolist()
+        lengths = out_length.tolist()
+        done = out_done.tolist()
         return Rollout([row[:n] for row, n in zip(out_tokens, lengths, strict=True)],
                        [row[:n] for row, n in zip(out_logprobs, lengths, strict=True)],
                        ["stop" if d else "length" for d in done])

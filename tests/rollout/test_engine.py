@@ -249,3 +249,34 @@ def test_fused_step_equals_the_models_own_modules(method, tiny_model_dir, plain_
             upto = min(3, same + 1)
             assert torch.allclose(torch.tensor(a[:upto]), torch.tensor(b[:upto]),
                                    atol=0.1), seed
+
+
+def test_a_batch_shrinks_to_its_live_sequences_and_generates_the_same():
+    """Once most sequences have stopped, the live ones move to the front of the cache and
+    the batch goes on at the next power of two that holds them: every sequence's tokens,
+    log-probs and finish reason are what the whole batch would have produced."""
+    seed = fresh_seed()
+    model = tiny("qwen2", torch.float32, seed)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, 128, (int(n),), generator=gen).tolist()
+               for n in torch.randint(2, 9, (64,), generator=gen)]
+    free = Engine(model, max_batch=64, max_seq_len=128, compact=False).generate(
+        prompts, SamplingParams(max_new_tokens=48, temperature=0))
+    # Stop at every token but those of the two most repetitive sequences: they run to the
+    # end, most others stop within a step or two.
+    keep = sorted(range(64), key=lambda i: len(set(free.tokens[i])))[:2]
+    kept = {t for i in keep for t in free.tokens[i]}
+    params = SamplingParams(max_new_tokens=48, temperature=0,
+                            stop_token_ids=[t for t in range(128) if t not in kept])
+    whole = Engine(model, max_batch=64, max_seq_len=128, compact=False).generate(prompts, params)
+    engine = Engine(model, max_batch=64, max_seq_len=128)
+    sizes, decode = [], engine._decode
+    engine._decode = lambda ids, slot, at: (sizes.append(ids.shape[0]), decode(ids, slot, at))[1]
+    shrunk = engine.generate(prompts, params)
+    live_at_8 = sum(len(row) > 8 for row in whole.tokens)
+    assert live_at_8 * 4 <= 64, (seed, live_at_8)  # the case this test is about
+    assert min(sizes) < 64 and sizes[-1] == 1 << (max(live_at_8, 1) - 1).bit_length(), seed
+    assert shrunk.tokens == whole.tokens and shrunk.finish_reasons == whole.finish_reasons
+    for a, b in zip(shrunk.logprobs, whole.logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+    assert all(whole.finish_reasons[i] == "length" for i in keep)
