@@ -198,8 +198,11 @@ class Engine:
         then stopped ones up to the next power of two, moved to the front of the cache (its
         first ``slots`` slots, which hold every token so far, and the padding); None while
         the batch stays whole."""
-        count, batch = int(live.sum()), live.numel()
-        if not self.compact or batch < COMPACT_FROM or count * COMPACT_WHEN > batch:
+        batch = live.numel()
+        if not self.compact or batch < COMPACT_FROM:
+            return None  # before the count: no second wait for the GPU at every check
+        count = int(live.sum())
+        if count * COMPACT_WHEN > batch:
             return None
         size = 1 << max(count - 1, 0).bit_length()
         pick = torch.argsort((~live).to(torch.int8), stable=True)[:size]
