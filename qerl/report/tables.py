@@ -126,6 +126,11 @@ def _mean(run: pd.DataFrame, column: str) -> float:
     return run.get(column, pd.Series(dtype=float)).mean()
 
 
+def _first(run: pd.DataFrame, column: str):
+    """A run's setting (the same on every step), or None where its runs lack the column."""
+    return run.get(column, pd.Series([None])).iloc[0]
+
+
 def training(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
     """One line per run: its card, learning rate and rollout backend, steps, last reward
     and entropy, mean step time, rollout time and sampler/trainer mismatch, peak memory."""
@@ -137,8 +142,8 @@ def training(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
         last = run.loc[run.step.idxmax()]
         rows.append({"model": model, "recipe": recipe, "method": method,
                      "card": run.card.iloc[0],
-                     "learning rate": run.get("learning_rate_set", pd.Series([None])).iloc[0],
-                     "backend": run.get("backend", pd.Series([None])).iloc[0],
+                     "learning rate": _first(run, "learning_rate_set"),
+                     "backend": _first(run, "backend"),
                      "steps": int(run.step.max()), "reward (last)": last.get("reward"),
                      "entropy (last)": last.get("entropy"),
                      "step time (s, mean)": _mean(run, "step_time"),
@@ -177,7 +182,7 @@ def _science_seeds(frames: dict) -> dict:
             for metric in [c for c in mine.columns if c.startswith("avg@")]:
                 for bench, part in mine[mine[metric].notna()].groupby("bench"):
                     per_seed[f"{bench} {metric}"] = part.set_index("method")[metric]
-        rate = runs.get("learning_rate_set", pd.Series([None])).iloc[0]
+        rate = _first(runs, "learning_rate_set")
         out[model, variant] = (rate, sorted(set(runs.card.dropna())), int(last), per_seed)
     return out
 
