@@ -180,3 +180,20 @@ def test_vllm_rows_refuse_a_wrong_length_and_a_missing_vllm(fake_vllm, tmp_path,
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(VLLMBenchError, match=r"pip install 'qerl\[vllm\]'"):
         bench_vllm("tiny-llama", "vllm-bf16", [0], [1], [5], 4, tmp_path, device="cpu")
+
+
+def test_the_rollout_benchmark_makes_its_vllm_workdir(tmp_path, monkeypatch):
+    """A --workdir that does not exist yet is made before any row runs (it was found missing
+    only after the engine's rows, and the vLLM rows were lost)."""
+    import qerl.bench.rollout as rollout
+
+    made = []
+    monkeypatch.setattr(rollout.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(rollout, "provenance", lambda device: {"card": "Stand-in"})
+    monkeypatch.setattr(rollout, "bench_vllm",
+                        lambda *args, **kwargs: made.append(args[-1].parent) or [])
+    monkeypatch.setattr(rollout, "summary", lambda *args, **kwargs: "")
+    work = tmp_path / "not" / "yet"
+    rollout.main(["--archs", "qwen2.5-7b", "--weights", "vllm-bf16", "--batches", "1",
+                  "--prompt-lens", "8", "--workdir", str(work), "--out-dir", str(tmp_path)])
+    assert made == [work]

@@ -320,6 +320,8 @@ def test_the_one_gpu_configurations_base_evaluations_batch_their_generations():
     settings = config("gpu")["base_eval"]
     assert all(f"--batch_size {settings['batch_size']}" in line for line in lm_eval)
     assert all(f"batch_size={settings['batch_size_lighteval']}," in line for line in lighteval)
+    # lm-eval's GSM8K keeps its own 256-token cap above which max_tokens (1024) would go
+    assert settings["max_tokens"] > 256 and not any("max_gen_toks" in line for line in lm_eval)
     # Every lighteval task reads the repository's copy (a task without one goes to the hub).
     copies = [line for line in commands if "lighteval_data" in line or "lighteval-data/" in line]
     for task in ("math_500", "aime24", "aime25"):

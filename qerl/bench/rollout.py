@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("qerl bench rollout: needs a CUDA GPU (none found)")
+    if args.workdir is not None:  # made now, not found missing after the engine's rows
+        args.workdir.mkdir(parents=True, exist_ok=True)
     base = provenance("cuda")
     batches = [int(b) for b in args.batches.split(",")]
     prompt_lens = [int(p) for p in args.prompt_lens.split(",")]

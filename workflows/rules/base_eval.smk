@@ -6,6 +6,10 @@ BASE_EVAL = config.get("base_eval", {})
 LIGHTEVAL_TASKS = BASE_EVAL.get("lighteval_tasks", ["math_500", "aime24", "aime25"])
 LIGHTEVAL_SPLIT = {"math_500": "test", "aime24": "train", "aime25": "train"}
 LOCAL_GSM8K = bool(DATA.get("gsm8k_train") and DATA.get("gsm8k"))
+# lm-eval's GSM8K task stops its answers at 256 tokens: the protocol the paper's base numbers
+# follow. max_tokens may lower that cap (a rehearsal), never raise it: at 1024 a 135M model's
+# looping answers made lm-eval the longest job of the gpu configuration (14 min on an H200).
+LM_EVAL_GSM8K_TOKENS = 256
 
 
 def lm_eval_task_input(wildcards):
@@ -48,9 +52,9 @@ rule lm_eval_gsm8k:
                else "--tasks gsm8k"),
         batch=BASE_EVAL.get("batch_size", "auto"),
         limit=f"--limit {BASE_EVAL['limit']}" if BASE_EVAL.get("limit") else "",
-        # lm-eval's own cap for GSM8K is 256 tokens; max_tokens, where set, caps both tools
         gen=(f"--gen_kwargs max_gen_toks={BASE_EVAL['max_tokens']}"
-             if BASE_EVAL.get("max_tokens") else ""),
+             if BASE_EVAL.get("max_tokens", LM_EVAL_GSM8K_TOKENS) < LM_EVAL_GSM8K_TOKENS
+             else ""),
         device=DEVICE,
     resources: gpu=USES_GPU, mem_mb=MEM_MB["medium"]
     shell:
