@@ -22,7 +22,7 @@ from qerl.atomic import atomic_directory
 from qerl.checkpoint import PACKED_SUFFIXES, ShardWriter, add_quantization_config
 from qerl.formats import nvfp4
 from qerl.nn import NVFP4Linear
-from qerl.policy import Policy, PolicyError
+from qerl.policy import ADAPTER, Policy, PolicyError
 
 MARKER = "qerl_export.json"
 
@@ -90,6 +90,10 @@ def _write_model(policy: Policy, directory: Path, tensors: dict | None, nvfp4_ig
     # The source's own quantization (GGUF, a compressed-tensors checkpoint) is gone from
     # these tensors: a stale entry would make transformers look for the old format.
     settings.pop("quantization_config", None)
+    # A GGUF source names no architecture; a loader without one guesses (vLLM took the
+    # headless LlamaModel): name the class the model is.
+    settings["architectures"] = settings.get("architectures") or [
+        type(policy.base_model).__name__]
     config = policy.config.__class__.from_dict(settings)
     config.dtype = torch.bfloat16
     config.save_pretrained(directory)
@@ -138,6 +142,6 @@ def export_for_vllm(policy: Policy, out: str | Path, overwrite: bool = False,
                              if n.endswith("proj.weight")]
             ignore = ["lm_head", *dense_linears]
         _write_model(policy, tmp / "base", tensors, nvfp4_ignore=ignore, tokenizer=tokenizer)
-        policy.model.save_pretrained(tmp / "adapter")
+        policy.model.save_pretrained(tmp / "adapter", selected_adapters=[ADAPTER])
         _record(tmp, policy, "vllm")
     return Path(out)

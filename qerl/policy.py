@@ -38,6 +38,9 @@ from qerl.quantize import KEEP_DENSE, fusion_groups, quantize_group
 from qerl.sources import Source, copy_extras, open_source
 
 NORMS_FILE = "norms.safetensors"
+# PEFT's name of the adapter we train. With beta > 0 TRL adds a frozen "ref" copy beside it,
+# which PEFT would save into a ref/ subfolder of every adapter folder: saves name ours alone.
+ADAPTER = "default"
 NF4_BLOCK = 64  # bitsandbytes' 4-bit quantization block
 
 
@@ -93,7 +96,7 @@ class Policy:
         if self.lora is None:
             raise PolicyError(f"method {self.method!r} has no adapter; export the model")
         directory = Path(directory)
-        self.model.save_pretrained(directory)
+        self.model.save_pretrained(directory, selected_adapters=[ADAPTER])
         if self.lora.train_norms:
             save_file({n: w.detach().contiguous() for n, w in self.norm_weights().items()},
                       directory / NORMS_FILE)

@@ -113,7 +113,11 @@ def block_scales(weight: torch.Tensor, global_scale: torch.Tensor) -> torch.Tens
     """FP8-E4M3 scale per 16 weights: [N, K] -> [N, K/16]."""
     n, k = weight.shape
     amax = weight.detach().reshape(n, k // GROUP_SIZE, GROUP_SIZE).abs().amax(dim=-1)
-    scale = global_scale.to(weight.device) * (amax / E2M1_MAX)  # amax / 6 in weight.dtype
+    # amax / 6 in weight.dtype, divided by a tensor on amax's device: CUDA divides by a Python
+    # number as a multiply by its reciprocal, 1 ulp off the CPU's quotient, and that ulp
+    # rounds an exact FP8 tie (common for bf16-valued weights) the other way.
+    six = torch.tensor(E2M1_MAX, dtype=amax.dtype, device=amax.device)
+    scale = global_scale.to(weight.device) * (amax / six)
     scale = scale.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     zero = scale.to(torch.float32) == 0
     return torch.where(zero, torch.full_like(scale, ZERO_SCALE_REPLACEMENT), scale)

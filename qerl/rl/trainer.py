@@ -212,10 +212,16 @@ class QerlGRPOTrainer(GRPOTrainer):
                                 temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
                                 stop_token_ids=tuple(self.eos_token_ids),
                                 seed=self._rollout_seed())
+        if self.accelerator.device.type == "cuda":
+            torch.cuda.synchronize()
+        built = time.perf_counter()
+        # Building the engine (vLLM: export, load, graphs; a first step's cost) is rollout
+        # time, not scoring's; the tokens/s below are the generation's alone.
         engine = self._engine_for(len(prompt_ids))
         if self.accelerator.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
+        self._phases["rollout"] += start - built
         tokens, logprobs = [], []
         for first in range(0, len(prompt_ids), engine.max_batch):
             chunk = prompt_ids[first:first + engine.max_batch]

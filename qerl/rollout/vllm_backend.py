@@ -18,12 +18,14 @@ installed beside qerl.
 
 from __future__ import annotations
 
+import shutil
 from functools import partial
 from pathlib import Path
 
 import torch
 
 from qerl.export import export_for_vllm
+from qerl.policy import ADAPTER
 from qerl.rollout.engine import Rollout, RolloutError
 from qerl.rollout.sampling import SamplingParams
 
@@ -67,15 +69,13 @@ class VLLMEngine:
 
         self.adapter_id += 1
         path = self.workdir / f"adapter-{self.adapter_id}"
-        self.policy.model.save_pretrained(path)
+        self.policy.model.save_pretrained(path, selected_adapters=[ADAPTER])
         norms = {name: w.detach().to(torch.bfloat16).cpu()
                  for name, w in self.policy.norm_weights().items()}
         self.llm.apply_model(partial(_load_norms, norms))
         previous = self.workdir / f"adapter-{self.adapter_id - 1}"
         if previous.is_dir():  # vLLM has read it; keep the disk use to one adapter
-            for file in previous.iterdir():
-                file.unlink()
-            previous.rmdir()
+            shutil.rmtree(previous)
         return LoRARequest(f"policy-{self.adapter_id}", self.adapter_id, str(path))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:

@@ -195,3 +195,17 @@ def test_cuda_quantization_equals_cpu_bit_for_bit():
         cpu, gpu = nvfp4.quantize(w), nvfp4.quantize(w.cuda()).to("cpu")
         assert_same_bits(gpu, {"weight_packed": cpu.packed, "weight_scale": cpu.scale,
                                "weight_global_scale": cpu.global_scale}, f"seed {seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_rounds_an_fp8_tie_of_the_block_scale_as_the_cpu_does():
+    """2688 / 9.625 * (0.045654296875 / 6) is 2.125 in fp32, an FP8 tie (2 | 2.25; the
+    tiny model's layers.0 gate/up pair has 23 such blocks). CUDA computed ``tensor / 6.0``
+    as a multiply by 1/6, one ulp above the quotient, and rounded the tie up."""
+    w = torch.zeros(2, 16)
+    w[0, 0], w[1, 0] = 9.625, 0.045654296875
+    cpu, gpu = nvfp4.quantize(w), nvfp4.quantize(w.cuda()).to("cpu")
+    assert cpu.scale[1, 0].float() == 2.0
+    assert torch.equal(gpu.scale.float(), cpu.scale.float())
+    assert torch.equal(gpu.packed, cpu.packed)

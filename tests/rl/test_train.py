@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import time
 
 import pandas as pd
 import pytest
@@ -344,17 +345,28 @@ def test_a_kv_budget_splits_the_rollout_into_chunks(chat_model, tmp_path):
 
 
 @pytest.mark.usefixtures("fake_vllm")
-def test_the_vllm_backend_serves_the_rollouts(chat_model, tmp_path):
+def test_the_vllm_backend_serves_the_rollouts(chat_model, tmp_path, monkeypatch):
     """engine.backend: vllm routes generation to VLLMEngine (against the stand-in vllm
-    module: real vLLM is not installed here), which pushes the adapter every rollout."""
+    module here), which pushes the adapter every rollout; vLLM's start is the first step's
+    rollout time, not its scoring's."""
     from tests.fake_vllm import FakeLLM
 
+    start = FakeLLM.__init__
+
+    def slow_start(self, *args, **kwargs):
+        time.sleep(1.0)  # vLLM's load and graph capture: minutes at 7B
+        start(self, *args, **kwargs)
+
+    monkeypatch.setattr(FakeLLM, "__init__", slow_start)
     raw = settings(chat_model, tmp_path, "qerl", max_steps=2)
     raw["engine"] = {"backend": "vllm"}
+    raw["rl"] = {**raw["rl"], "beta": 0.04}  # TRL's "ref" adapter beside ours (the paper's KL)
     trainer = run(raw)
     generates = [c for c in FakeLLM.instances[-1].calls if c[0] == "generate"]
     assert len(generates) == 2 and type(trainer._engine).__name__ == "VLLMEngine"
     assert generates[0][2].lora_int_id != generates[1][2].lora_int_id
+    times = pd.read_csv(tmp_path / METRICS)[["time/rollout_s", "time/score_s"]].to_numpy()
+    assert times[0, 0] >= 1.0 and times[0, 1] - times[1, 1] < 0.5, times
 
 
 def test_only_the_newest_checkpoints_are_kept(chat_model, tmp_path):

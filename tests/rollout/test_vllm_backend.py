@@ -73,3 +73,18 @@ def test_copies_of_a_prompt_get_seeds_of_their_own(fake_vllm, tiny_checkpoint, t
         assert [one["seed"] for one in llm.calls[-1][1]] == seeds
     engine.generate([[1, 2]] * 3, SamplingParams(max_new_tokens=2, seed=None))
     assert [one["seed"] for one in llm.calls[-1][1]] == [None] * 3
+
+
+def test_pushes_survive_trls_ref_adapter(fake_vllm, tiny_checkpoint, tmp_path):
+    """rl.beta > 0: TRL's GRPOTrainer adds a frozen "ref" adapter to the policy's PeftModel,
+    which PEFT saves into a ref/ subfolder; each push sends the trained adapter alone and
+    removes the previous one whole (it once unlinked ref/ as a file: IsADirectoryError)."""
+    policy = build_policy("qerl", tiny_checkpoint)
+    policy.model.add_adapter("ref", policy.model.peft_config["default"])  # as TRL does
+    policy.model.set_adapter("default")
+    engine = VLLMEngine(policy, tmp_path, max_batch=4, max_seq_len=32)
+    for step in (1, 2, 3):
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2, seed=step))
+        assert not (tmp_path / f"adapter-{step - 1}").exists()
+    assert sorted(p.name for p in (tmp_path / "adapter-3").iterdir()) == [
+        "README.md", "adapter_config.json", "adapter_model.safetensors"]
