@@ -4,7 +4,10 @@ vLLM loads the policy's export once (``export_for_vllm``: the NVFP4 compressed-t
 and the adapter); before every ``generate`` the current LoRA weights go to vLLM as a new
 adapter (vLLM takes adapters from disk, keyed by an integer id, so each push writes the
 small adapter files under ``workdir`` with a fresh id) and the current RMSNorm weights,
-AQN's noise included, are copied into vLLM's model in place (``LLM.apply_model``).
+AQN's noise included, are copied into vLLM's model in place (``LLM.apply_model``). vLLM
+holds them in bf16, so the policy's noised norms are rounded to the same values for the
+step's training forward: noise of sigma below bf16's step (~2e-3 at a weight of ~0.3) mostly
+rounds away on this backend, in sampling and training alike.
 
 Log-probabilities come from vLLM's "processed" log-probs (after temperature, top-k and
 top-p), where the embedded engine reports the tempered distribution before truncation:
@@ -70,9 +73,17 @@ class VLLMEngine:
         self.adapter_id += 1
         path = self.workdir / f"adapter-{self.adapter_id}"
         self.policy.model.save_pretrained(path, selected_adapters=[ADAPTER])
-        norms = {name: w.detach().to(torch.bfloat16).cpu()
-                 for name, w in self.policy.norm_weights().items()}
+        weights = self.policy.norm_weights()
+        norms = {name: w.detach().to(torch.bfloat16).cpu() for name, w in weights.items()}
         self.llm.apply_model(partial(_load_norms, norms))
+        aqn = self.policy.aqn
+        if aqn is not None and aqn.perturbed and not self.policy.lora.train_norms:
+            # vLLM holds bf16 norms, the policy AQN's noisy ones in fp32: the training forward
+            # takes the noised norms vLLM sampled with, so that the rollout stays on-policy
+            # (restore() puts the clean fp32 weights back).
+            with torch.no_grad():
+                for w in weights.values():
+                    w.copy_(w.to(torch.bfloat16))
         previous = self.workdir / f"adapter-{self.adapter_id - 1}"
         if previous.is_dir():  # vLLM has read it; keep the disk use to one adapter
             shutil.rmtree(previous)

@@ -37,8 +37,14 @@ def test_each_rollout_pushes_a_fresh_adapter_and_the_noised_norms(fake_vllm, tin
         out = engine.generate([[1, 2, 3], [4, 5]], params)
         vllm_norms = dict(llm.model.named_parameters())
         for name, w in policy.norm_weights().items():
-            assert torch.equal(vllm_norms[name].to(torch.bfloat16), w.to(torch.bfloat16)), name
+            # the training forward takes the noised norms vLLM sampled with, to the bit
+            assert torch.equal(vllm_norms[name].float(), w.float()), name
+        noisy = {name: w.clone() for name, w in policy.norm_weights().items()}
+        sigma = policy.aqn.sigma
         policy.aqn.restore()
+        restored = [not torch.equal(w, noisy[name]) for name, w in policy.norm_weights().items()
+                    if name.removesuffix(".weight") in policy.aqn.weights]
+        assert restored and all(restored) == (sigma > 0) == (step == 2)  # stage 0: no noise
         _, kwargs, request = llm.calls[-1]
         assert request.lora_int_id == step
         assert not (tmp_path / f"adapter-{step - 1}").exists()  # the previous one is gone

@@ -90,7 +90,6 @@ def test_each_push_reaches_vllm_and_its_logprobs_are_the_policys(vllm, smollm2, 
     adapter changed in place) the next rollout's log-probs are the new adapter's, and once
     AQN's noise is on they are the noised policy's: each within the two kernels' rounding,
     and several times nearer to it than to the policy without that push."""
-    from qerl.noise import noisy_norm_weights
     from qerl.rollout.vllm_backend import VLLMEngine
 
     seed = fresh_seed()
@@ -128,10 +127,7 @@ def test_each_push_reaches_vllm_and_its_logprobs_are_the_policys(vllm, smollm2, 
     adapter_gap = gaps(stepped, now=now, before=policys(stepped))
     adapter(new)
     policy.aqn.perturb(1)
-    noised = engine.generate(prompts(), params)
-    with torch.no_grad():  # the norms as vLLM holds them: bf16 (the policy keeps fp32)
-        for w in noisy_norm_weights(policy.model).values():
-            w.copy_(w.to(torch.bfloat16))
+    noised = engine.generate(prompts(), params)  # rounds the policy's norms as vLLM's: bf16
     now = policys(noised)
     policy.aqn.restore()
     noise_gap = gaps(noised, now=now, clean=policys(noised))
