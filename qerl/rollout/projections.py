@@ -4,9 +4,10 @@ Projections that read the same input (q/k/v, gate/up) share one LoRA shrink, one
 of their NVFP4 base projections (where the CUDA kernel runs) and one expand that adds the
 adapters, sums the kernel's split-K partials and, for gate/up, applies SiLU and the
 product (kernels/lora_decode.py): three launches per group, from up to ten, or two where
-the NVFP4 launch runs the shrink of PEFT's fp32 adapters among its own blocks. The weights
-are read from the modules at every call, so the fused path sees the live adapter like
-PEFT's forward does.
+the NVFP4 launch runs the shrink of PEFT's fp32 adapters among its own blocks. Frozen dense
+bases (BF16 LoRA) are one GEMM per group too: the engine re-points their weights into one
+buffer (merge_dense). The weights are read from the modules at every call, so the fused
+path sees the live adapter like PEFT's forward does.
 
 Anything else — a LoRA variant (DoRA), several or disabled adapters, a merged layer,
 ranks that differ inside a group, more rows than the kernels hold — runs the modules' own
@@ -55,9 +56,71 @@ def lora_parts(module: nn.Module) -> LoraParts | None:
     return LoraParts(module.base_layer, a, b, float(module.scaling[name]))
 
 
+def merge_dense(modules: list[nn.Module]) -> None:
+    """Give a group's frozen dense bases (q/k/v, gate/up: BF16 or any one float dtype) one
+    buffer, each module's weight (and bias) a view of its rows, so that a decode step runs
+    the group as one GEMM, as vLLM's merged linears do, with no memory added. The
+    Parameters stay the modules' own (``.data`` re-pointed): the model's own forward and
+    in-place writes see the same values. Trainable or mixed groups stay as they are."""
+    bases = [_dense_base(m) for m in modules]
+    if len(bases) < 2 or any(b is None or b.weight.requires_grad for b in bases) or \
+            len({(b.weight.dtype, b.weight.device, b.in_features) for b in bases}) != 1 or \
+            len({b.bias is None for b in bases}) != 1 or _merged(bases) is not None:
+        return
+    with torch.no_grad():
+        weight = torch.cat([b.weight for b in bases])
+        bias = None if bases[0].bias is None else torch.cat([b.bias for b in bases])
+        first = 0
+        for b in bases:
+            rows = slice(first, first + b.out_features)
+            b.weight.data = weight[rows]
+            if bias is not None:
+                b.bias.data = bias[rows]
+            first += b.out_features
+
+
+def _dense_base(module: nn.Module) -> nn.Linear | None:
+    base = module.base_layer if isinstance(module, LoraLinear) else module
+    return base if type(base) is nn.Linear else None
+
+
+def _merged(bases: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The group's weight and bias as single tensors when merge_dense made them views of
+    consecutive rows of one buffer (and nothing has replaced them since), else None."""
+    if not all(type(b) is nn.Linear for b in bases):
+        return None
+    tensors = [[b.weight for b in bases]]
+    if bases[0].bias is not None:
+        tensors.append([b.bias for b in bases])
+    out = []
+    for group in tensors:
+        first = group[0]
+        offset = first.storage_offset()
+        for t in group:
+            if (t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                    or t.storage_offset() != offset or not t.is_contiguous()):
+                return None
+            offset += t.numel()
+        rows = sum(t.shape[0] for t in group)
+        out.append(first.as_strided((rows, *first.shape[1:]), first.stride()))
+    return out[0], out[1] if len(out) > 1 else None
+
+
+def _dense_group(bases: list[nn.Module], x2: torch.Tensor) -> list[torch.Tensor] | None:
+    """The merged group's outputs from one GEMM, as column views; None if not merged."""
+    merged = _merged(bases)
+    if merged is None:
+        return None
+    out = F.linear(x2, *merged)
+    return list(out.split([b.out_features for b in bases], dim=-1))
+
+
 def _base_partials(bases: list[nn.Module], x2: torch.Tensor) -> list[torch.Tensor]:
     if all(isinstance(base, NVFP4Linear) for base in bases):
         return grouped_partial_sums(bases, x2)
+    outs = _dense_group(bases, x2)
+    if outs is not None:
+        return [out[None] for out in outs]
     return [base.partial_sums(x2) if isinstance(base, NVFP4Linear) else base(x2)[None]
             for base in bases]
 
@@ -108,7 +171,7 @@ def project(modules: list[nn.Module], x2: torch.Tensor, silu_mul: bool = False
         and len({(p.a.shape, p.a.dtype) for p in parts}) == 1
     )
     if not fusable:
-        outs = [m(x2) for m in modules]
+        outs = _dense_group(modules, x2) or [m(x2) for m in modules]
     else:
         x2 = x2.contiguous()
         xa, bases = _shrink_beside_bases(parts, x2)
