@@ -85,12 +85,14 @@ class Decoder(nn.Module):
         self.embed, self.layers, self.norm = inner.embed_tokens, inner.layers, inner.norm
         self.rotary = inner.rotary_emb
         self.lm_head = model.lm_head
-        if fused:  # frozen dense q/k/v and gate/up as one GEMM each (views: no memory added)
-            for layer in self.layers:
-                attn = layer.self_attn
-                merge_dense([attn.q_proj, attn.k_proj, attn.v_proj])
-                if is_swiglu_mlp(layer.mlp):
-                    merge_dense([layer.mlp.gate_proj, layer.mlp.up_proj])
+        # Frozen dense q/k/v and gate/up as one GEMM each (views: no memory added). Every
+        # engine merges, fused or not, before it captures a graph: an engine's graphs must
+        # never hold the storage a later merge frees.
+        for layer in self.layers:
+            attn = layer.self_attn
+            merge_dense([attn.q_proj, attn.k_proj, attn.v_proj])
+            if is_swiglu_mlp(layer.mlp):
+                merge_dense([layer.mlp.gate_proj, layer.mlp.up_proj])
         # The model family's own rotary application, for bit-identical numbers.
         self._apply_rotary = importlib.import_module(type(model).__module__).apply_rotary_pos_emb
         attn = self.layers[0].self_attn
