@@ -32,7 +32,8 @@ import triton.language as tl
 from qerl.kernels.nvfp4_matmul import interpreting, num_sms
 from qerl.kernels.rounding import round_as
 
-MAX_ROWS = 256  # rows of a decode step the kernels take; more -> PEFT's own forward
+MAX_ROWS = 512  # rows of a decode step the kernels take (RL samples up to ~512 at
+# once); more -> PEFT's own forward
 TILE_ROWS = 32  # rows a shrink program holds unrolled: more take registers the loads need
 PIPELINED_ROWS = 64  # rows a shrink program holds above TILE_ROWS rows
 STAGES = 3  # the pipelined shrink's loads in flight

@@ -102,7 +102,7 @@ def test_rotary_into_cache_refuses_mismatched_heads():
 @pytest.mark.parametrize("lora_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "rank", "group", "splits"),
                          [(1, 8, 3, 3), (5, 16, 2, 1), (19, 24, 1, 2), (33, 64, 3, None),
-                          (70, 16, 2, 3), (200, 32, 3, None)])
+                          (70, 16, 2, 3), (200, 32, 3, None), (449, 32, 2, None)])
 def test_lora_shrink_expand_match_peft(poisoned, lora_dtype, rows, rank, group, splits):
     """Each member of a group: base + x A^T B^T * scaling as PEFT computes it, from a base
     given whole or as fp32 partials split over K."""
