@@ -169,6 +169,13 @@ def test_one_target_reruns_alone():
 
 
 
+def test_the_gpu_configuration_asks_for_memory_a_gpu_host_has():
+    """Three jobs a GPU at once: their requests fit a 128 GB host (one H100's)."""
+    done = snakemake("-n", "--forceall", "--configfile", "workflows/config/gpu.yaml")
+    asked = [int(m) for m in re.findall(r"mem_mb=(\d+)", done.stdout + done.stderr)]
+    assert asked and max(asked) * config("gpu")["gpu_jobs"] <= 96_000
+
+
 def test_the_smoke_run_asks_for_memory_a_small_machine_has():
     done = snakemake("-n", "--forceall")
     asked = [int(m) for m in re.findall(r"mem_mb=(\d+)", done.stdout + done.stderr)]
