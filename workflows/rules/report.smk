@@ -59,9 +59,18 @@ def _reported_this_run() -> bool:
     return values.is_file() and values.stat().st_mtime >= STARTED
 
 
+def _kept() -> list[str]:
+    """The report's inputs this run did not make: an earlier run's, or committed ones (a
+    fresh clone's results/ holds ours, and Snakemake keeps any output it finds)."""
+    targets = [*train_targets(), *eval_targets(), *base_eval_targets(), *bench_targets(),
+               *science_targets()]
+    return [t for t in targets if Path(t).exists() and Path(t).stat().st_mtime < STARTED]
+
+
 def say_where_results_are():
-    """After a run that wrote the report: where its tables and figures are, and the check's
-    verdict (a drift fails the report job, so a finished run passed it)."""
+    """After a run that wrote the report: where its tables and figures are, the check's
+    verdict (a drift fails the report job, so a finished run passed it), and which results
+    it kept from before."""
     if not _reported_this_run():
         return  # this run made other targets
     check = REPORT.get("check")
@@ -70,6 +79,11 @@ def say_where_results_are():
     print(f"\nqerl: tables in {RESULTS}/tables/ (values.csv: every number), figures in "
           f"{Path(RESULTS, 'figures')}/, the run's record in {RESULTS}/run.json; {verdict}; "
           f"report log: {WORK}/logs/report.log")
+    kept = _kept()
+    if kept:
+        print(f"qerl: {len(kept)} of the tables' inputs are from before this run (an earlier "
+              f"run's or committed, listed in run.json as kept; e.g. {kept[0]}): "
+              f"--forceall measures them all on this machine")
 
 
 def _card() -> str:
@@ -87,8 +101,8 @@ def _when(seconds: float) -> str:
 
 def write_run_record():
     """results_dir/run.json after a run that wrote the report: the card, the commit, the
-    command, start and end, and each job's wall time in seconds (its benchmark file, for
-    the jobs that ran in this run)."""
+    command, start and end, each job's wall time in seconds (its benchmark file, for the
+    jobs that ran in this run), and the results it kept from before."""
     if not _reported_this_run():
         return
     root = Path(WORK, "benchmarks")
@@ -101,5 +115,5 @@ def write_run_record():
     ended = time.time()
     record = {"card": _card(), "commit": COMMIT, "command": shlex.join(sys.argv),
               "started": _when(STARTED), "ended": _when(ended),
-              "wall_s": round(ended - STARTED, 1), "jobs_s": jobs}
+              "wall_s": round(ended - STARTED, 1), "jobs_s": jobs, "kept": _kept()}
     Path(RESULTS, "run.json").write_text(json.dumps(record, indent=1) + "\n")
