@@ -37,6 +37,12 @@ def bench_targets():
     return [f"{RESULTS}/bench/{name}" for name in BENCH]
 
 
+def report_inputs():
+    """Everything the tables are made from."""
+    return [*train_targets(), *eval_targets(), *base_eval_targets(), *bench_targets(),
+            *science_targets()]
+
+
 def check_arg():
     return f"--check {REPORT['check']}" if REPORT.get("check") else ""
 
@@ -46,7 +52,7 @@ def note_arg():
 
 
 rule report:
-    input: train_targets(), eval_targets(), base_eval_targets(), bench_targets(), science_targets()
+    input: report_inputs()
     output: f"{RESULTS}/tables/values.csv"
     params: check=check_arg(), note=note_arg(), results=RESULTS
     log: f"{WORK}/logs/report.log"
@@ -62,9 +68,8 @@ def _reported_this_run() -> bool:
 def _kept() -> list[str]:
     """The report's inputs this run did not make: an earlier run's, or committed ones (a
     fresh clone's results/ holds ours, and Snakemake keeps any output it finds)."""
-    targets = [*train_targets(), *eval_targets(), *base_eval_targets(), *bench_targets(),
-               *science_targets()]
-    return [t for t in targets if Path(t).exists() and Path(t).stat().st_mtime < STARTED]
+    return [t for t in report_inputs()
+            if Path(t).exists() and Path(t).stat().st_mtime < STARTED]
 
 
 def say_where_results_are():
