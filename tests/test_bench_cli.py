@@ -197,3 +197,22 @@ def test_the_rollout_benchmark_makes_its_vllm_workdir(tmp_path, monkeypatch):
     rollout.main(["--archs", "qwen2.5-7b", "--weights", "vllm-bf16", "--batches", "1",
                   "--prompt-lens", "8", "--workdir", str(work), "--out-dir", str(tmp_path)])
     assert made == [work]
+
+
+def test_rollout_benchmarks_measure_the_batches_whose_cache_fits(monkeypatch, capsys):
+    """A batch too large for the card is named and skipped, and the smaller ones are still
+    measured: an out-of-memory error had ended the run and lost their rows."""
+    from qerl.bench.throughput import largest_engine
+    from qerl.rollout import engine as engine_module
+    from tests.rollout.test_engine import tiny
+
+    model = tiny("qwen2", torch.float32, 0)
+    per_token = 2 * 2 * 2 * 16 * 4  # k and v, 2 layers, 2 kv heads, head_dim 16, fp32
+    monkeypatch.setattr(engine_module, "free_bytes", lambda device: 2 * 100 * per_token)
+    engine, fit = largest_engine(model, [1, 2, 4, 8], 100)
+    assert engine.max_batch == 2 and fit == [1, 2]
+    said = capsys.readouterr().out
+    assert "batch 8: not measured: a KV cache for 8 sequences" in said
+    assert "batch 4: not measured" in said
+    monkeypatch.setattr(engine_module, "free_bytes", lambda device: 99 * per_token)
+    assert largest_engine(model, [1, 2], 100) == (None, [])

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from qerl.bench.rollout import WEIGHTS
+from qerl.bench.throughput import largest_engine
 from qerl.config import LoraSettings
 from qerl.policy import build_policy
 from qerl.record import append_rows, per_card, provenance
@@ -59,10 +60,18 @@ def measure(arch: str, weights: str, rank: int, batches: list[int], slot: int) -
                           lora=LoraSettings(rank=rank, alpha=rank))
     rows = []
     for fused in (True, False):
-        engine = Engine(policy, max_batch=max(batches), max_seq_len=slot + 2, fused=fused)
-        for batch in batches:
+        engine, fit = largest_engine(policy, batches, slot + 2, fused=fused)
+        for batch in fit:
             prompts = torch.randint(0, 1000, (batch, slot)).tolist()
-            engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
+            # The prefill runs batch x slot tokens at once: through the modules' own forward
+            # (PEFT's fp32 adapters) it outgrows the card first.
+            try:
+                engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
+            except torch.cuda.OutOfMemoryError as err:
+                print(f"  {weights} fused={int(fused)} batch {batch} and larger: not "
+                      f"measured: the prefill ran out of memory ({str(err).splitlines()[0]})",
+                      flush=True)
+                break
             ids = torch.zeros((batch, 1), dtype=torch.long, device="cuda")
             at = torch.tensor(slot, device="cuda")
             with engine._eval():

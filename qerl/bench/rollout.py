@@ -27,25 +27,24 @@ from pathlib import Path
 
 import torch
 
-from qerl.bench.throughput import random_prompts, throughput_row, timed
+from qerl.bench.throughput import largest_engine, random_prompts, throughput_row, timed
 from qerl.bench.vllm_rollout import KINDS as VLLM_KINDS
 from qerl.bench.vllm_rollout import bench_vllm
 from qerl.config import LoraSettings
 from qerl.policy import build_policy
 from qerl.record import append_rows, per_card, provenance
 from qerl.report.run import summary
-from qerl.rollout import Engine, SamplingParams
+from qerl.rollout import SamplingParams
 
 WEIGHTS = {"bf16": "lora", "nvfp4": "qerl", "nf4": "qlora"}  # engine weights -> policy method
 
 
 def bench_engine(policy, batches, prompt_lens, gen_len, fused: bool) -> list[dict]:
     vocab = policy.config.vocab_size
-    engine = Engine(policy, max_batch=max(batches), max_seq_len=max(prompt_lens) + gen_len,
-                    fused=fused)
+    engine, fit = largest_engine(policy, batches, max(prompt_lens) + gen_len, fused=fused)
     rows = []
     for prompt_len in prompt_lens:
-        for batch in batches:
+        for batch in fit:
             prompts = random_prompts(batch, prompt_len, vocab, seed=batch)
             params = SamplingParams(max_new_tokens=gen_len, ignore_eos=True, seed=0)
             engine.generate(prompts, params)  # captures the step's graphs, one per bucket

@@ -1,5 +1,6 @@
-"""What the rollout benchmarks share: random prompts, a timed call, and a row of generated
-tokens per second (prefill included) for one batch and length."""
+"""What the rollout benchmarks share: random prompts, an engine for the batches that fit, a
+timed call, and a row of generated tokens per second (prefill included) for one batch and
+length."""
 
 from __future__ import annotations
 
@@ -11,6 +12,23 @@ import torch
 def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, length), generator=gen).tolist()
+
+
+def largest_engine(policy, batches: list[int], max_seq_len: int, **kwargs):
+    """(engine, batches): an engine for the largest of ``batches`` whose KV cache fits the
+    device, and those it serves, in order; each larger one is named as not measured, where
+    it would have ended the run and lost the rows of the batches before it."""
+    from qerl.rollout import Engine
+    from qerl.rollout.engine import CacheMemoryError
+
+    for batch in sorted(set(batches), reverse=True):
+        try:
+            engine = Engine(policy, max_batch=batch, max_seq_len=max_seq_len, **kwargs)
+        except CacheMemoryError as err:
+            print(f"  batch {batch}: not measured: {err}", flush=True)
+            continue
+        return engine, [b for b in batches if b <= batch]
+    return None, []
 
 
 def timed(fn) -> float:

@@ -48,6 +48,19 @@ class RolloutError(QerlError):
     """A rollout request the engine cannot serve."""
 
 
+class CacheMemoryError(RolloutError):
+    """The KV cache asked for does not fit in the device's free memory."""
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory a new tensor on ``device`` can take: the driver's free memory plus what torch's
+    allocator holds unused; None off CUDA (the host's memory is not checked)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 @dataclass
 class Rollout:
     """Per sequence: the generated tokens (a stop token included), each one's sampling
@@ -97,6 +110,16 @@ class Engine:
             raise RolloutError(f"a KV cache for {max_batch} x {max_seq_len} tokens needs "
                                f"{need / 1e9:.2f} GB, over the budget of "
                                f"{kv_budget_bytes / 1e9:.2f} GB (it holds {fits} sequences)")
+        free = free_bytes(self.device)
+        if free is not None and need > free:
+            # Said here, before the allocation: torch's out-of-memory error would name
+            # neither the cache nor how to make it fit.
+            fits = self.max_batch_for(config, free, max_seq_len, self.dtype)
+            raise CacheMemoryError(
+                f"a KV cache for {max_batch} sequences of {max_seq_len} tokens needs "
+                f"{need / 1e9:.2f} GB, and {self.device} has {free / 1e9:.2f} GB free (it "
+                f"holds {fits}): roll out fewer sequences at once (qerl train: "
+                f"engine.kv_budget_gb samples a step's batch in chunks) or shorter ones")
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.slot_bucket = slot_bucket
         self.decoder = Decoder(self.model, fused=self.device.type == "cuda" if fused is None

@@ -11,6 +11,8 @@ from transformers import AutoModelForCausalLM
 from qerl.noise import AQNSettings
 from qerl.policy import build_policy
 from qerl.rollout import Engine, RolloutError, SamplingParams
+from qerl.rollout import engine as engine_module
+from qerl.rollout.engine import CacheMemoryError, free_bytes
 from qerl.rollout.sampling import sample
 from tests.conftest import fresh_seed, require_smollm2, save_tiny_model, tiny_config
 from tests.test_policy import randomize_adapter
@@ -197,6 +199,20 @@ def test_bad_requests_are_refused_before_any_work():
         from transformers import GPT2Config, GPT2LMHeadModel
 
         Engine(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)), 1, 8)
+
+
+def test_a_cache_larger_than_the_free_memory_is_refused_before_allocating(monkeypatch):
+    """On a GPU the engine compares its KV cache with the free memory first: torch's own
+    out-of-memory error would name neither the cache nor the settings that shrink it."""
+    assert free_bytes(torch.device("cpu")) is None  # the host's memory is not checked
+    model = tiny("qwen2", torch.float32, fresh_seed())
+    per_token = 2 * 2 * 2 * 16 * 4  # k and v, 2 layers, 2 kv heads, head_dim 16, fp32
+    monkeypatch.setattr(engine_module, "free_bytes", lambda device: 3 * 100 * per_token + 7)
+    with pytest.raises(CacheMemoryError, match=r"a KV cache for 8 sequences of 100 tokens "
+                       r"needs 0.00 GB, and .* has 0.00 GB free \(it holds 3\).*"
+                       r"engine.kv_budget_gb"):
+        Engine(model, max_batch=8, max_seq_len=100)
+    assert Engine(model, max_batch=3, max_seq_len=100).max_batch == 3
 
 
 @pytest.fixture(scope="module")
