@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from typing import Literal, get_args, get_origin
 
 from qerl.errors import QerlError
+from qerl.help_format import HelpFormatter
 from qerl.methods import METHODS
 
 
@@ -171,10 +173,12 @@ def _settings_args(parser: argparse.ArgumentParser, settings) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from qerl.eval.settings import BENCHES, EvalSettings
 
-    parser = argparse.ArgumentParser(prog="qerl", description=__doc__)
+    parser = argparse.ArgumentParser(prog="qerl", description=__doc__,
+                                     formatter_class=HelpFormatter)
     verbs = parser.add_subparsers(dest="verb", required=True)
+    verb = partial(verbs.add_parser, formatter_class=HelpFormatter)
 
-    q = verbs.add_parser(
+    q = verb(
         "quantize",
         help="write an NVFP4 (compressed-tensors nvfp4-pack-quantized) checkpoint",
         description="Quantize every decoder Linear to NVFP4, as llmcompressor's NVFP4A16 does.",
@@ -194,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--quiet", action="store_true", help="no progress bar")
     q.set_defaults(run=_quantize)
 
-    t = verbs.add_parser(
+    t = verb(
         "train", help="GRPO/DAPO training from a YAML config (resumes if interrupted)",
         description="Train as the config says; rerun the same command after an interruption "
                     "to continue from the last checkpoint in output_dir.")
@@ -203,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a setting, e.g. --set train.max_steps=10 (repeatable)")
     t.set_defaults(run=_train)
 
-    e = verbs.add_parser(
+    e = verb(
         "eval", help="accuracy on math benchmarks (avg@k, pass@k), resumable",
         description="Sample --samples answers per problem with the rollout engine and score "
                     "them with math-verify; rerun the same command to resume.")
@@ -225,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True, help="output directory")
     e.set_defaults(run=_eval)
 
-    i = verbs.add_parser(
+    i = verb(
         "eval-import", help="read lm-eval / lighteval results into a qerl eval summary",
         description="Base-model numbers as the paper took them (lm-eval for GSM8K, lighteval "
                     "for MATH-500 and AIME): each results JSON (or the newest below a folder) "
@@ -234,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--out", required=True, help="output directory (summary.json, summary.csv)")
     i.set_defaults(run=_eval_import)
 
-    x = verbs.add_parser(
+    x = verb(
         "export", help="write a model (+ adapter) for lm-eval, lighteval or vLLM",
         description="merged: one BF16 Hugging Face model, the adapter merged in (a 4-bit base "
                     "dequantized first), for any transformers user. vllm: the PEFT adapter "
@@ -256,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--device", help="default: cuda if available, else cpu")
     x.set_defaults(run=_export)
 
-    r = verbs.add_parser(
+    r = verb(
         "report", help="tables and figures of the results, the paper's numbers beside them",
         description="Reads RESULTS/{eval,train,science,bench} as the workflow writes them; "
                     "writes RESULTS/tables/*.md|csv (values.csv: every number, one per row) "
@@ -271,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "(e.g. those of a tiny smoke model)")
     r.set_defaults(run=_report)
 
-    b = verbs.add_parser("bench", help="run a benchmark; results go to results/bench/",
+    b = verb("bench", help="run a benchmark; results go to results/bench/",
                          description="Benchmarks write CSV under results/bench/; "
                                      "`qerl bench NAME --help` for each one's options.")
     b.add_argument("what", choices=sorted(BENCHMARKS))

@@ -21,6 +21,7 @@ import torch
 from qerl.bench.rollout import WEIGHTS
 from qerl.bench.throughput import largest_engine
 from qerl.config import LoraSettings
+from qerl.help_format import HelpFormatter
 from qerl.policy import build_policy
 from qerl.record import append_rows, per_card, provenance
 from qerl.rollout import Engine, SamplingParams
@@ -89,7 +90,7 @@ def measure(arch: str, weights: str, rank: int, batches: list[int], slot: int) -
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="qerl bench decode-step", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--out-dir", type=Path, default=Path("results/bench"))
     parser.add_argument("--archs", default="qwen2.5-7b")
     parser.add_argument("--weights", default="bf16,nvfp4")

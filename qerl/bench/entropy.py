@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from qerl.help_format import HelpFormatter
+
 # Variant -> (method, AQN on). NF4 is the QLoRA base (bitsandbytes).
 VARIANTS = {"bf16": ("full", False), "nvfp4": ("qerl", False), "nf4": ("qlora", False),
             "nvfp4+aqn": ("qerl", True)}
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     from qerl.report.run import summary
 
     parser = argparse.ArgumentParser(prog="qerl bench entropy", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--data", help="a local GSM8K test jsonl (default: the hub's)")
     parser.add_argument("--prompts", type=int, default=200)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from qerl.help_format import HelpFormatter
 from qerl.record import append_rows, provenance
 
 
@@ -44,7 +45,7 @@ def _outputs(model, prompts: list[torch.Tensor], new_tokens: int):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--data", type=Path, required=True, help="GSM8K-style jsonl")
     parser.add_argument("--questions", type=int, default=20)
     parser.add_argument("--new-tokens", type=int, default=32)

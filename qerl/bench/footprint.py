@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from qerl.help_format import HelpFormatter
 from qerl.methods import LORA_METHODS
 
 GB = 1e9
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     import pandas as pd
 
     parser = argparse.ArgumentParser(prog="qerl bench footprint", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--out-dir", type=Path, default=Path("results/bench"))
     parser.add_argument("--archs", default="qwen2.5-7b")
     parser.add_argument("--methods", default=",".join(LORA_METHODS))

@@ -25,6 +25,7 @@ import torch
 
 from qerl import archs
 from qerl.formats import nvfp4
+from qerl.help_format import HelpFormatter
 from qerl.kernels import nvfp4_layout as layout
 from qerl.kernels import nvfp4_matmul as km
 from qerl.record import append_rows, per_card, provenance
@@ -51,7 +52,7 @@ def sweep_arguments(prog: str, doc: str, models, layers, m_values,
     --models, --layers: None for every layer, --m as a list of ints), parsed; refuses a
     machine without a GPU."""
     parser = argparse.ArgumentParser(prog=f"qerl bench {prog}", description=doc,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--out-dir", type=Path, default=Path("results/bench"))
     parser.add_argument("--models", default=",".join(models))
     parser.add_argument("--layers", default=",".join(layers) if layers else None,

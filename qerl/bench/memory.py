@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from qerl.config import LoraSettings
+from qerl.help_format import HelpFormatter
 from qerl.methods import METHODS
 from qerl.policy import build_policy
 from qerl.record import append_rows, per_card, provenance
@@ -57,7 +58,7 @@ def measure(method: str, arch: str, lora: LoraSettings) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="qerl bench memory", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--out-dir", type=Path, default=Path("results/bench"))
     parser.add_argument("--archs", default=",".join(ARCHS))
     parser.add_argument("--methods", default=",".join(METHODS))

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from qerl.help_format import HelpFormatter
 from qerl.record import append_rows, provenance
 
 
@@ -95,7 +96,7 @@ def run_child(model: str | None, arch: str, device: str, quant_out: Path) -> dic
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--arch", default="qwen2.5-7b")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--modes", default="random,disk", help="comma-separated: random,disk")

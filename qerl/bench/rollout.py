@@ -31,6 +31,7 @@ from qerl.bench.throughput import largest_engine, random_prompts, throughput_row
 from qerl.bench.vllm_rollout import KINDS as VLLM_KINDS
 from qerl.bench.vllm_rollout import bench_vllm
 from qerl.config import LoraSettings
+from qerl.help_format import HelpFormatter
 from qerl.policy import build_policy
 from qerl.record import append_rows, per_card, provenance
 from qerl.report.run import summary
@@ -74,7 +75,7 @@ def bench_hf(model, batches, prompt_lens, gen_len) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="qerl bench rollout", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--out-dir", type=Path, default=Path("results/bench"))
     parser.add_argument("--archs", default="qwen2.5-7b,qwen2.5-14b,qwen2.5-32b")
     parser.add_argument("--weights", default="bf16,nvfp4,hf-bf16")

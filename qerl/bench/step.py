@@ -29,6 +29,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
+from qerl.help_format import HelpFormatter
 from qerl.methods import LORA_METHODS
 from qerl.rl.phases import PHASES
 
@@ -101,7 +102,7 @@ def gpu_env(gpus: list[str]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="qerl bench step", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--out-dir", type=Path, default=Path("results/bench"))
     parser.add_argument("--archs", default="qwen2.5-7b")
     parser.add_argument("--methods", default=",".join(LORA_METHODS))
