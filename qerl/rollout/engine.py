@@ -42,6 +42,11 @@ STOP_CHECK_EVERY = 8
 # (a smaller step saves little there, and every size is one more captured graph).
 COMPACT_WHEN = 4
 COMPACT_FROM = 32
+# The prefill runs whole sequences, at most this many tokens a forward. Its activations grow
+# with batch x prompt (PEFT's fp32 LoRA outputs at these rows: a 7B rollout's peak grew by
+# ~37 GB from 1 to 512 prompts of 256 tokens in one forward, H200); the cache's do not. At
+# this many rows the projections' GEMMs already run at full rate.
+PREFILL_TOKENS = 16384
 
 
 class RolloutError(QerlError):
@@ -93,15 +98,16 @@ class Engine:
     def __init__(self, model, max_batch: int, max_seq_len: int,
                  kv_budget_bytes: int | None = None, cuda_graphs: bool = True,
                  fused: bool | None = None, slot_bucket: int = SLOT_BUCKET,
-                 compact: bool = True):
+                 compact: bool = True, prefill_tokens: int = PREFILL_TOKENS):
         self.model = _base_model(model)
         config = self.model.config
         if config.model_type not in MODEL_TYPES:
             raise RolloutError(f"the engine runs {', '.join(MODEL_TYPES)} models, not "
                                f"{config.model_type!r}")
-        if max_batch < 1 or max_seq_len < 2 or slot_bucket < 1:
-            raise RolloutError(f"need max_batch >= 1, max_seq_len >= 2 and slot_bucket >= 1, "
-                               f"got {max_batch}, {max_seq_len}, {slot_bucket}")
+        if max_batch < 1 or max_seq_len < 2 or slot_bucket < 1 or prefill_tokens < 1:
+            raise RolloutError(f"need max_batch >= 1, max_seq_len >= 2, slot_bucket >= 1 and "
+                               f"prefill_tokens >= 1, got {max_batch}, {max_seq_len}, "
+                               f"{slot_bucket}, {prefill_tokens}")
         self.dtype = self.model.get_input_embeddings().weight.dtype
         self.device = self.model.get_input_embeddings().weight.device
         need = max_batch * max_seq_len * KVCache.bytes_per_slot(config, self.dtype)
@@ -121,7 +127,7 @@ class Engine:
                 f"holds {fits}): roll out fewer sequences at once (qerl train: "
                 f"engine.kv_budget_gb samples a step's batch in chunks) or shorter ones")
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
-        self.slot_bucket = slot_bucket
+        self.slot_bucket, self.prefill_tokens = slot_bucket, prefill_tokens
         self.decoder = Decoder(self.model, fused=self.device.type == "cuda" if fused is None
                                else fused)
         self.cache = KVCache.allocate(config, max_batch, max_seq_len, self.dtype, self.device)
@@ -167,11 +173,25 @@ class Engine:
             if min(prompt) < 0 or max(prompt) >= vocab:
                 raise RolloutError(f"prompt {i} has token ids outside [0, {vocab})")
 
-    def _view(self, batch: int, slots: int | None = None) -> KVCache:
-        """The cache of the first ``batch`` sequences, its first ``slots`` slots (all)."""
-        slots = slots or self.max_seq_len
-        return KVCache(self.cache.k[:, :batch, :, :slots], self.cache.v[:, :batch, :, :slots],
-                       self.cache.pad[:batch])
+    def _view(self, batch: int, slots: int | None = None, first: int = 0) -> KVCache:
+        """The cache of ``batch`` sequences from the ``first``-th, its first ``slots`` slots
+        (all)."""
+        slots, rows = slots or self.max_seq_len, slice(first, first + batch)
+        return KVCache(self.cache.k[:, rows, :, :slots], self.cache.v[:, rows, :, :slots],
+                       self.cache.pad[rows])
+
+    def _prefill(self, ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        """The prompts (left-padded, [B, T]) into the cache -> logits of their last position
+        [B, V], at most ``prefill_tokens`` tokens a forward (whole sequences)."""
+        batch, longest = ids.shape
+        span = self._span(longest - 1)
+        self._view(batch, span).pad.copy_(pad)
+        ids, start = ids.to(self.device), torch.zeros((), dtype=torch.long, device=self.device)
+        rows = max(1, self.prefill_tokens // longest)
+        logits = [self.decoder(ids[first:first + rows], start,
+                               self._view(min(rows, batch - first), span, first))
+                  for first in range(0, batch, rows)]
+        return logits[0] if len(logits) == 1 else torch.cat(logits)
 
     def _span(self, last_slot: int) -> int:
         """The slots a step that writes up to ``last_slot`` attends over."""
@@ -248,10 +268,7 @@ class Engine:
         stops = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long,
                              device=self.device)
         with self._eval():
-            cache = self._view(batch, self._span(longest - 1))
-            cache.pad.copy_(pad)
-            logits = self.decoder(ids.to(self.device), torch.zeros((), dtype=torch.long,
-                                                                   device=self.device), cache)
+            logits = self._prefill(ids, pad)
             # Per sequence of the call, written at each compaction and at the end; `order`
             # maps the batch's rows (and `done`, `length`, the steps since `first`) to them.
             out_tokens = torch.zeros((batch, params.max_new_tokens), dtype=torch.long,

@@ -201,6 +201,23 @@ def test_bad_requests_are_refused_before_any_work():
         Engine(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)), 1, 8)
 
 
+def test_a_prefill_in_chunks_of_sequences_fills_the_cache_as_one_forward_does():
+    """A large batch's prompts go through the model a few sequences a forward (their
+    activations would outgrow the card): each chunk writes its own rows of the cache, so the
+    rollout is the one-forward rollout, token for token."""
+    model = tiny("qwen2", torch.float32, fresh_seed())
+    prompts = [*PROMPTS, [3, 4], [9] * 7, [11, 12, 13]]  # 6 prompts, padded to 7 tokens
+    whole = Engine(model, max_batch=8, max_seq_len=32).generate(prompts, GREEDY)
+    for rows in (1, 2, 4):  # 6 = 6 x 1, 3 x 2, 4 + 2 (a short last chunk)
+        chunked = Engine(model, max_batch=8, max_seq_len=32, prefill_tokens=7 * rows)
+        out = chunked.generate(prompts, GREEDY)
+        assert out.tokens == whole.tokens, rows
+        assert torch.allclose(torch.tensor(out.logprobs), torch.tensor(whole.logprobs),
+                              atol=1e-5), rows
+    with pytest.raises(RolloutError, match="prefill_tokens >= 1"):
+        Engine(model, max_batch=8, max_seq_len=32, prefill_tokens=0)
+
+
 def test_a_cache_larger_than_the_free_memory_is_refused_before_allocating(monkeypatch):
     """On a GPU the engine compares its KV cache with the free memory first: torch's own
     out-of-memory error would name neither the cache nor the settings that shrink it."""
