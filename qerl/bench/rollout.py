@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--archs", default="qwen2.5-7b,qwen2.5-14b,qwen2.5-32b")
     parser.add_argument("--weights", default="bf16,nvfp4,hf-bf16")
     parser.add_argument("--ranks", default="16,32,64")
-    parser.add_argument("--batches", default="1,8,32,64,128")
+    parser.add_argument("--batches", default="1,16,32,64,128,256")
     parser.add_argument("--prompt-lens", default="256,1024")
     parser.add_argument("--gen-len", type=int, default=1024)
     parser.add_argument("--hf-gen-len", type=int, default=256)
