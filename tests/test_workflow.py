@@ -326,6 +326,8 @@ def test_the_one_gpu_configurations_base_evaluations_batch_their_generations():
     assert done.returncode == 0 and lm_eval and lighteval
     settings = config("gpu")["base_eval"]
     assert all(f"--batch_size {settings['batch_size']}" in line for line in lm_eval)
+    # through the environment's python, the file the rule checks (not a console script)
+    assert all(".venvs/lm-eval/bin/python -m lm_eval run" in line for line in lm_eval)
     assert all(f"batch_size={settings['batch_size_lighteval']}," in line for line in lighteval)
     # lm-eval's GSM8K keeps its own 256-token cap above which max_tokens (1024) would go
     assert settings["max_tokens"] > 256 and not any("max_gen_toks" in line for line in lm_eval)

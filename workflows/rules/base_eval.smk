@@ -57,8 +57,10 @@ rule lm_eval_gsm8k:
              else ""),
         device=DEVICE,
     resources: gpu=USES_GPU, mem_mb=MEM_MB["medium"]
+    # Through the environment's python, the input checked before any job runs: an
+    # environment given in the configuration may lack console scripts.
     shell:
-        "{params.on_gpu}{params.bin}/lm_eval run --model hf "
+        "{params.on_gpu}{params.bin}/python -m lm_eval run --model hf "
         "--model_args pretrained={params.model},dtype=bfloat16 --device {params.device} "
         "--batch_size {params.batch} {params.tasks} {params.limit} {params.gen} --seed 0 "
         "--log_samples "
