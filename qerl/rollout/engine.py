@@ -93,7 +93,8 @@ class Engine:
     says how many sequences a budget holds. ``fused`` (default: on CUDA) runs the step's
     norms, rotary and LoRA as our kernels (see ``Decoder``). A step attends over the cache
     up to its slot rounded up to ``slot_bucket`` (see SLOT_BUCKET). ``compact`` lets a
-    batch shrink to its live sequences as they stop (see COMPACT_WHEN)."""
+    batch shrink to its live sequences as they stop (see COMPACT_WHEN). The prefill takes
+    whole sequences, at most ``prefill_tokens`` tokens a forward (see PREFILL_TOKENS)."""
 
     def __init__(self, model, max_batch: int, max_seq_len: int,
                  kv_budget_bytes: int | None = None, cuda_graphs: bool = True,
