@@ -50,7 +50,10 @@ def test_padded_batches_match_the_masked_sdpa(lefts, rights):
     ids, mask = batch(seed, lefts, rights)
     (l1, g1), (l2, g2) = run(stock, ids, mask), run(ours, ids, mask)
     assert torch.allclose(l1, l2, atol=1e-5, rtol=1e-5), f"seed {seed}"
-    assert torch.allclose(g1, g2, atol=1e-5, rtol=1e-5), f"seed {seed}"
+    # An embedding row's gradient sums terms up to ~100x its own size: fp32 summed in another
+    # order leaves an error of the large terms' rounding (seen: 1.6e-5 on 0.31, max 155).
+    scale = g1.abs().max().item()
+    assert torch.allclose(g1, g2, atol=1e-6 * scale, rtol=1e-5), f"seed {seed}"
     assert padded_attention._checked is not None and padded_attention._checked[1] is not None
 
 
