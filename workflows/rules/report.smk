@@ -118,7 +118,10 @@ def write_run_record():
                 rows = list(csv.DictReader(f, delimiter="\t"))
             jobs[str(tsv.relative_to(root).with_suffix(""))] = round(float(rows[-1]["s"]), 1)
     ended = time.time()
-    record = {"card": _card(), "commit": COMMIT, "command": shlex.join(sys.argv),
+    # argv[0] is wherever snakemake was started from (a console script, or python -m's
+    # __main__.py): the command a user would type again names the program
+    command = shlex.join(["snakemake", *sys.argv[1:]])
+    record = {"card": _card(), "commit": COMMIT, "command": command,
               "started": _when(STARTED), "ended": _when(ended),
               "wall_s": round(ended - STARTED, 1), "jobs_s": jobs, "kept": _kept()}
     Path(RESULTS, "run.json").write_text(json.dumps(record, indent=1) + "\n")
