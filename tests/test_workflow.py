@@ -117,6 +117,30 @@ def test_the_rehearsal_shares_its_gpu_but_times_alone():
     assert any("workflows/scripts/lighteval_offline.py accelerate" in line for line in shared)
 
 
+def test_a_method_trained_again_on_vllm_runs_beside_the_engines_run(tmp_path):
+    """train.vllm_methods: qerl a second time as qerl-vllm, with vLLM's rollouts and qerl's
+    own base and learning rate, on a GPU of its own, evaluated as qerl; the report reads it."""
+    rehearsal = config("rehearsal")
+    rehearsal["train"] = {**rehearsal["train"], "vllm_methods": ["qerl"]}
+    done = snakemake("-n", "-p", "--forceall", config=rehearsal, tmp=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    commands = shell_commands(done)
+    train = [c for c in commands if " qerl train " in c]
+    assert sum("--set engine.backend=vllm" in c for c in train) == 4  # 2 models x 2 recipes
+    (vllm,) = [c for c in train if "qwen2.5-3b/gsm8k/qerl-vllm " in c]
+    (engine,) = [c for c in train if "qwen2.5-3b/gsm8k/qerl " in c]
+    assert "--set engine.backend=vllm" in vllm and "engine.backend" not in engine
+    assert "--share 2 --whole --" in vllm and "--set method=qerl " in vllm
+    assert "/runs/qwen2.5-3b/gsm8k/qerl-vllm " in vllm
+    for same in ("--set model=", "--set train.learning_rate="):
+        assert vllm.split(same)[1].split()[0] == engine.split(same)[1].split()[0]
+    (evaluation,) = [c for c in commands
+                     if " qerl eval " in c and "qwen2.5-3b/gsm8k/qerl-vllm/final" in c]
+    assert "--method qerl " in evaluation
+    report = (done.stdout + done.stderr).split("rule report:")[1]
+    assert "train/qwen2.5-3b/gsm8k/qerl-vllm/metrics.csv" in report.split("output:")[0]
+
+
 def stand_in_nvidia_smi(tmp: Path) -> Path:
     """An nvidia-smi that lists two GPUs, as `-L` and as the workflow's query print them."""
     smi = tmp / "bin" / "nvidia-smi"

@@ -175,9 +175,20 @@ def base_model(model):
     return f"{WORK}/models/{model}/bf16" if needs_export(model) else MODELS[model]
 
 
+# A run named METHOD-vllm (train.vllm_methods) trains METHOD with vLLM's rollouts, beside
+# the run of METHOD on the embedded engine: its curves and mismatch show next to that run's.
+VLLM_RUN = "-vllm"
+
+
+def run_method(run):
+    """The qerl method a run trains: qerl-vllm trains qerl."""
+    return run.removesuffix(VLLM_RUN)
+
+
 def method_base(model, method):
-    """What a method trains on: qerl the NVFP4 checkpoint, the others the BF16 model."""
-    return f"{WORK}/models/{model}/nvfp4" if method == "qerl" else base_model(model)
+    """What a method (or a run of it) trains on: qerl the NVFP4 checkpoint, the others the
+    BF16 model."""
+    return f"{WORK}/models/{model}/nvfp4" if run_method(method) == "qerl" else base_model(model)
 
 
 def made_here(path):

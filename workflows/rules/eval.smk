@@ -20,7 +20,8 @@ def trained_policy_args(wildcards):
     final = f"{WORK}/runs/{wildcards.model}/{wildcards.recipe}/{wildcards.method}/final"
     if wildcards.method == "full":
         return f"--model {final} --method full"
-    return f"--model {policy_model(wildcards)} --adapter {final} --method {wildcards.method}"
+    return (f"--model {policy_model(wildcards)} --adapter {final} "
+            f"--method {run_method(wildcards.method)}")
 
 
 def tokenizer_arg(wildcards):

@@ -14,9 +14,10 @@ STARTED = time.time()
 def train_targets():
     grid = config.get("train", {})
     skip = set(grid.get("exclude", []))
-    return [f"{RESULTS}/train/{model}/{recipe}/{method}/metrics.csv"
+    runs = grid.get("methods", []) + [m + VLLM_RUN for m in grid.get("vllm_methods", [])]
+    return [f"{RESULTS}/train/{model}/{recipe}/{run}/metrics.csv"
             for model in grid.get("models", []) for recipe in grid.get("recipes", {})
-            for method in grid.get("methods", []) if f"{model}/{recipe}/{method}" not in skip]
+            for run in runs if f"{model}/{recipe}/{run}" not in skip]
 
 
 def eval_targets():

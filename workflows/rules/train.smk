@@ -17,14 +17,16 @@ def recipe_file(wildcards):
 
 
 def train_overrides(wildcards):
-    """--set options: the model, method, run folder, the method's learning rate and the
-    configuration's own overrides (e.g. fewer steps in smoke), then the recipe's (e.g. its
-    data from a local file)."""
-    sets = {"model": policy_model(wildcards), "method": wildcards.method,
+    """--set options: the model, method (and rollout backend), run folder, the method's
+    learning rate and the configuration's own overrides (e.g. fewer steps in smoke), then
+    the recipe's (e.g. its data from a local file)."""
+    sets = {"model": policy_model(wildcards), "method": run_method(wildcards.method),
             "output_dir": f"{WORK}/runs/{wildcards.model}/{wildcards.recipe}/{wildcards.method}",
             "device": DEVICE, **TRAIN.get("set", {}),
             **TRAIN.get("recipe_set", {}).get(wildcards.recipe, {})}
-    rate = TRAIN.get("learning_rates", {}).get(wildcards.method)
+    if wildcards.method.endswith(VLLM_RUN):
+        sets["engine.backend"] = "vllm"
+    rate = TRAIN.get("learning_rates", {}).get(run_method(wildcards.method))
     if rate is not None:
         sets["train.learning_rate"] = rate
     tokenizer = config.get("tokenizers", {}).get(wildcards.model)
@@ -34,8 +36,10 @@ def train_overrides(wildcards):
 
 
 def alone(wildcards):
-    """Full fine-tuning holds its GPU alone (its optimizer state alone fills most of one)."""
-    return wildcards.method == "full"
+    """Full fine-tuning holds its GPU alone (its optimizer state alone fills most of one),
+    and so does a run with vLLM's rollouts (vLLM takes a fixed share of the card's memory
+    when it starts, whatever the jobs beside it hold)."""
+    return wildcards.method == "full" or wildcards.method.endswith(VLLM_RUN)
 
 
 rule train:
