@@ -336,6 +336,23 @@ def test_vllms_rollout_rows_sit_beside_the_engines(tmp_path):
     assert table.loc[(0, 1), "vllm-nvfp4"] == 2000.0 and pd.isna(table.loc[(0, 1), "nvfp4"])
 
 
+def test_a_decode_step_shows_its_time_outside_its_kernels_where_measured(tmp_path):
+    """The replay's time less the kernels' sum, per weights; rows from before kernel_ms was
+    recorded show none rather than a made-up zero."""
+    rows = [{"date": "2026-01-02 10:00", "card": CARD, "model": "m", "weights": w,
+             "lora_rank": 32, "fused": 1, "batch": b, "context": 700, "step_ms": step,
+             "kernels": 381, "kernel_ms": kernel}
+            for w, b, step, kernel in [("bf16", 32, 6.0, 5.5), ("nvfp4", 32, 5.0, 4.25),
+                                       ("nvfp4", 64, 6.5, None)]]
+    write(tmp_path / "bench/decode_step_x.csv", rows)
+    report(tmp_path)
+    table = pd.read_csv(tmp_path / "tables/decode_step.csv").set_index("batch")
+    assert table.loc[32, "bf16 between kernels ms"] == pytest.approx(0.5)
+    assert table.loc[32, "nvfp4 between kernels ms"] == pytest.approx(0.75)
+    assert table.loc[32, "bf16/nvfp4"] == pytest.approx(1.2)
+    assert table.loc[64, "nvfp4"] == 6.5 and pd.isna(table.loc[64, "nvfp4 between kernels ms"])
+
+
 def test_runs_on_each_rollout_backend_sit_side_by_side_with_their_mismatch(tmp_path):
     """The same recipe trained with our engine and with vLLM: one line each in the
     training table, naming the backend, with the mean sampler/trainer mismatch."""
