@@ -23,6 +23,16 @@ from tests.fake_vllm import fake_vllm  # noqa: F401 (a fixture for every test)
 REQUIRE_ALL = os.environ.get("QERL_REQUIRE_ALL_TESTS") == "1"
 
 
+@pytest.fixture
+def reference_kernels(monkeypatch):
+    """Without a GPU, NVFP4 layers run the torch reference (dequantize, then matmul), as qerl
+    does on a CPU, instead of Triton's interpreter (~0.3 s a matmul: most of a CPU training
+    run's time). For tests of what the layers feed; the kernels themselves are checked under
+    the interpreter (tests/kernels, tests/nn, the engine's fused step)."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
 def missing(what: str, why: str = "not installed"):
     """Skip the test for lack of ``what`` (fail instead under QERL_REQUIRE_ALL_TESTS)."""
     if REQUIRE_ALL:

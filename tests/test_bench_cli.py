@@ -10,6 +10,8 @@ import torch
 from qerl.cli import main
 from qerl.report.collect import collect
 
+pytestmark = pytest.mark.usefixtures("reference_kernels")
+
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench"
 
 

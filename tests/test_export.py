@@ -20,6 +20,8 @@ from qerl.policy import PolicyError, build_policy, load_adapter
 from tests.conftest import fresh_seed, require_smollm2, run_python, tree_digests
 from tests.test_policy import IDS, logits, randomize_adapter, rel
 
+pytestmark = pytest.mark.usefixtures("reference_kernels")
+
 
 def trained_policy(source, seed: int, train_norms: bool = True):
     policy = build_policy("qerl", source, lora=LoraSettings(train_norms=train_norms),

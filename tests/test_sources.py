@@ -11,6 +11,8 @@ from qerl.quantize import linear_layers
 from qerl.sources import RandomWeights, open_source
 from tests.conftest import require_smollm2, tiny_config
 
+pytestmark = pytest.mark.usefixtures("reference_kernels")
+
 # Parameter counts of the real models (the Qwen2.5 model cards round them the same way).
 PARAMS_BILLIONS = {"qwen2.5-0.5b": 0.49, "qwen2.5-1.5b": 1.54, "qwen2.5-3b": 3.09,
                    "qwen2.5-7b": 7.62, "qwen2.5-14b": 14.77, "qwen2.5-32b": 32.76,

@@ -24,6 +24,8 @@ from qerl.rl.trainer import overlong_reward
 from qerl.tokenizer import TokenizerError
 from tests.conftest import CHAT, require, save_tiny_model, tiny_tokenizer
 
+pytestmark = pytest.mark.usefixtures("reference_kernels")
+
 # Metrics that depend on the clock, not on the run's numbers.
 TIMING = ("step_time", "rollout/tokens_per_s", "train_runtime", "time/rollout_s",
           "time/score_s", "time/train_s", "time/optimizer_s")

@@ -154,6 +154,7 @@ def test_stops_seeds_and_ignore_eos():
     assert ignored.tokens == free.tokens
 
 
+@pytest.mark.usefixtures("reference_kernels")
 def test_the_engine_samples_from_the_live_policy(tiny_checkpoint):
     """No weight sync: LoRA updated in place and AQN's noise are seen by the next rollout,
     and the log-probabilities are the policy's own."""
