@@ -140,15 +140,15 @@ def test_vllm_rows_serve_our_exports_with_and_without_an_adapter(fake_vllm, tmp_
     """vLLM's rollout rows (stand-in vLLM, CPU): the NVFP4 rows serve qerl's export, the BF16
     rows vLLM's dummy weights of the shape; rank 0 serves no adapter; every sequence is
     asked for and checked at the full length; the exports go when the rows are made."""
-    from qerl.bench.vllm_rollout import bench_vllm
+    from qerl.bench.vllm_rollout import WARM_UP_TOKENS, bench_vllm
     from tests.fake_vllm import FakeLLM
 
     for kind, load in (("vllm-nvfp4", "auto"), ("vllm-bf16", "dummy")):
         FakeLLM.instances = []
-        rows = bench_vllm("tiny-llama", kind, [0, 16], [1, 3], [5], 4, tmp_path / kind,
+        rows = bench_vllm("tiny-llama", kind, [0, 16], [1, 3], [5], 40, tmp_path / kind,
                           device="cpu", isolate=False)
         assert [(r["lora_rank"], r["batch"], r["gen_len"]) for r in rows] == [
-            (0, 1, 4), (0, 3, 4), (16, 1, 4), (16, 3, 4)]
+            (0, 1, 40), (0, 3, 40), (16, 1, 40), (16, 3, 40)]
         assert all(r["tok_per_s"] > 0 and r["peak_gb"] is None for r in rows)
         without, with_lora = FakeLLM.instances
         assert without.kwargs["load_format"] == with_lora.kwargs["load_format"] == load
@@ -157,9 +157,13 @@ def test_vllm_rows_serve_our_exports_with_and_without_an_adapter(fake_vllm, tmp_
         assert ("nvfp4" in with_lora.config_text) == (kind == "vllm-nvfp4")
         weights = [f for f in with_lora.files if f.endswith(".safetensors")]
         assert bool(weights) == (kind == "vllm-nvfp4")  # dummy BF16: the shape alone
+        # Each batch: a short warm-up (vLLM captured its graphs at start), then the timed
+        # call, every sequence asked for the full length.
+        lengths = [{(one["min_tokens"], one["max_tokens"]) for one in sampling}
+                   for _, sampling, _ in with_lora.calls]
+        assert lengths == [{(WARM_UP_TOKENS, WARM_UP_TOKENS)}, {(40, 40)}] * 2
         _, sampling, request = with_lora.calls[-1]
-        assert all(one["min_tokens"] == one["max_tokens"] == 4 and one["ignore_eos"]
-                   for one in sampling)
+        assert all(one["ignore_eos"] for one in sampling)
         assert request.lora_path.endswith("r16/adapter")
         assert without.calls[-1][2] is None
         assert list((tmp_path / kind).iterdir()) == []

@@ -30,6 +30,7 @@ from qerl.export import export_for_vllm
 from qerl.policy import build_policy
 
 KINDS = {"vllm-bf16": "lora", "vllm-nvfp4": "qerl"}  # served weights -> policy exported
+WARM_UP_TOKENS = 16
 
 
 class VLLMBenchError(QerlError):
@@ -65,24 +66,27 @@ def measure(base: Path, adapter: Path | None, rank: int, kind: str, batches: lis
         from vllm.lora.request import LoRARequest
 
         request = LoRARequest("bench", 1, str(adapter))
-    sampling = vllm.SamplingParams(n=1, temperature=1.0, max_tokens=gen_len,
-                                   min_tokens=gen_len, ignore_eos=True, detokenize=False,
-                                   seed=0)
     rows = []
     for prompt_len in prompt_lens:
         for batch in batches:
             prompts = [{"prompt_token_ids": p}
                        for p in random_prompts(batch, prompt_len, vocab, seed=batch)]
 
-            def run(prompts=prompts):
+            def run(tokens: int, prompts=prompts):
+                sampling = vllm.SamplingParams(n=1, temperature=1.0, max_tokens=tokens,
+                                               min_tokens=tokens, ignore_eos=True,
+                                               detokenize=False, seed=0)
                 outputs = llm.generate(prompts, sampling, lora_request=request, use_tqdm=False)
                 made = [len(o.outputs[0].token_ids) for o in outputs]
-                if made != [gen_len] * len(prompts):
+                if made != [tokens] * len(prompts):
                     raise VLLMBenchError(f"vLLM generated {sorted(set(made))} tokens a "
-                                         f"sequence, not {gen_len}: its rate would be wrong")
+                                         f"sequence, not {tokens}: its rate would be wrong")
 
-            run()  # warm-up: compiles and captures the CUDA graphs of this size
-            seconds = timed(run)
+            # vLLM compiled and captured its decode graphs (every batch size up to
+            # max_num_seqs) when it started: a short call warms this batch's prefill and
+            # the adapter, where a full one would double the run's time for nothing.
+            run(min(WARM_UP_TOKENS, gen_len))
+            seconds = timed(lambda: run(gen_len))
             rows.append({"lora_rank": rank, **throughput_row(
                 "vllm ", batch, prompt_len, gen_len, seconds, peak=False)})
     return rows
