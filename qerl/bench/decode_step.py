@@ -1,10 +1,10 @@
 """One rollout decode step, taken apart: its time as a CUDA-graph replay, the GPU kernels
-it launches, their summed time and the five that take longest, with the fused kernels and
-with the model's own modules (``Engine(fused=...)``), at Qwen2.5 shapes with random weights
-and LoRA attached. The replay's time less the kernels' is what the step spends between
-them (each graph node's launch, a kernel waiting on the one before); kernels that overlap
-on a side stream (BF16's LoRA shrink beside cuBLAS) count whole, so there the difference
-understates it.
+it launches, their summed time, the time at least one of them runs (``busy_ms``: kernels
+on a side stream, such as the LoRA shrink beside cuBLAS, overlap the main stream's) and the
+five that take longest, with the fused kernels and with the model's own modules
+(``Engine(fused=...)``), at Qwen2.5 shapes with random weights and LoRA attached. The
+replay's time less ``busy_ms`` is what the step spends between kernels (each graph node's
+launch, a kernel waiting on the one before).
 
     qerl bench decode-step                 # -> results/bench/decode_step_<card>.csv
     qerl bench decode-step --archs qwen2.5-7b --batches 1,32 --slot 700
@@ -42,8 +42,20 @@ def _replay_ms(engine: Engine, ids: torch.Tensor, slot: int, at: torch.Tensor,
     return (time.perf_counter() - start) / repeats * 1e3
 
 
+def busy_ms(spans: list[tuple[float, float]]) -> float:
+    """The time (ms) covered by at least one of the (start, end) spans in us: the union of
+    the kernels' intervals, so that overlapping ones count once."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy / 1e3
+
+
 def _kernels(engine: Engine, ids, slot: int, at: torch.Tensor, batch: int
-             ) -> tuple[int, float, str]:
+             ) -> tuple[int, float, float, str]:
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cache = engine._view(batch, engine._span(slot))
@@ -58,8 +70,10 @@ def _kernels(engine: Engine, ids, slot: int, at: torch.Tensor, batch: int
     events.sort(key=lambda e: -e.device_time_total)
     top = "; ".join(f"{e.key[:48]} x{e.count} {e.device_time_total / 1e3:.2f}ms"
                     for e in events[:5])
-    busy_ms = sum(e.device_time_total for e in events) / 1e3
-    return sum(e.count for e in events), busy_ms, top
+    summed_ms = sum(e.device_time_total for e in events) / 1e3
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == DeviceType.CUDA]
+    return sum(e.count for e in events), summed_ms, busy_ms(spans), top
 
 
 def measure(arch: str, weights: str, rank: int, batches: list[int], slot: int) -> list[dict]:
@@ -75,13 +89,15 @@ def measure(arch: str, weights: str, rank: int, batches: list[int], slot: int) -
             at = torch.tensor(slot, device="cuda")
             with engine._eval():
                 step_ms = _replay_ms(engine, ids, slot, at)
-                kernels, kernel_ms, top = _kernels(engine, ids, slot, at, batch)
+                kernels, kernel_ms, busy, top = _kernels(engine, ids, slot, at, batch)
             rows.append({"model": arch, "weights": weights, "lora_rank": rank,
                          "fused": int(fused), "batch": batch, "context": slot,
                          "step_ms": round(step_ms, 3), "kernels": kernels,
-                         "kernel_ms": round(kernel_ms, 3), "top_kernels": top})
+                         "kernel_ms": round(kernel_ms, 3), "busy_ms": round(busy, 3),
+                         "top_kernels": top})
             print(f"  {weights} fused={int(fused)} batch {batch}: {step_ms:.2f} ms, "
-                  f"{kernels} kernels taking {kernel_ms:.2f} ms", flush=True)
+                  f"{kernels} kernels taking {kernel_ms:.2f} ms, busy {busy:.2f} ms",
+                  flush=True)
         del engine
         gc.collect()
     return rows

@@ -229,7 +229,7 @@ KINDS = {
                         setting=("layer", "M"), metrics=("speedup_vs_bf16", "us", "bf16_us")),
     "decode_step": Kind(("bench/**/decode_step_*.csv",), method="weights",
                         setting=("lora_rank", "fused", "batch", "context"),
-                        metrics=("step_ms", "kernels", "kernel_ms")),
+                        metrics=("step_ms", "kernels", "kernel_ms", "busy_ms")),
     "step": Kind(("bench/**/efficiency_*.csv",), setting=STEP_SETTINGS,
                  metrics=("step_s", "rollout_s", "score_s", "train_s", "optimizer_s",
                           "rollout_tok_per_s", "peak_gb", "speed_vs_lora"),

@@ -297,14 +297,16 @@ token_tiles = _speedup_by_m("token_tiles", ["layer"], "token_tile",
 def decode_step(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
     """One rollout decode step (ms, a CUDA-graph replay) by weights, NVFP4's speed over BF16
     in the same run, and where measured the time the step spends outside its kernels
-    (the replay less the kernels' sum: "WEIGHTS between kernels ms")."""
+    (the replay less the time a kernel runs, overlaps counted once: "WEIGHTS between
+    kernels ms"; the kernels' plain sum, recorded before, would count a side stream's
+    kernels twice)."""
     ours = frames.get("decode_step")
     if ours is None:
         return pd.DataFrame()
     wide = _by_weights(ours, "decode_step", "step_ms", "bf16/nvfp4")
-    if "kernel_ms" in ours:
+    if "busy_ms" in ours:
         index = ["card", "model", *KINDS["decode_step"].setting]
-        between = _wide(ours.assign(between=ours.step_ms - ours.kernel_ms), index, "method",
+        between = _wide(ours.assign(between=ours.step_ms - ours.busy_ms), index, "method",
                         "between")
         between = between.rename(columns={w: f"{w} between kernels ms"
                                            for w in between.columns if w not in index})

@@ -337,20 +337,35 @@ def test_vllms_rollout_rows_sit_beside_the_engines(tmp_path):
 
 
 def test_a_decode_step_shows_its_time_outside_its_kernels_where_measured(tmp_path):
-    """The replay's time less the kernels' sum, per weights; rows from before kernel_ms was
-    recorded show none rather than a made-up zero."""
+    """The replay's time less the time some kernel runs (overlaps once), per weights; rows
+    with only the kernels' plain sum (a side stream's overlap counted twice: more than the
+    step) or from before either was recorded show none rather than a made-up number."""
     rows = [{"date": "2026-01-02 10:00", "card": CARD, "model": "m", "weights": w,
              "lora_rank": 32, "fused": 1, "batch": b, "context": 700, "step_ms": step,
-             "kernels": 381, "kernel_ms": kernel}
-            for w, b, step, kernel in [("bf16", 32, 6.0, 5.5), ("nvfp4", 32, 5.0, 4.25),
-                                       ("nvfp4", 64, 6.5, None)]]
+             "kernels": 381, "kernel_ms": summed, "busy_ms": busy}
+            for w, b, step, summed, busy in [("bf16", 32, 6.0, 6.6, 5.5),
+                                             ("nvfp4", 32, 5.0, 4.25, 4.25),
+                                             ("nvfp4", 64, 6.5, 6.9, None),
+                                             ("nvfp4", 128, 8.0, None, None)]]
     write(tmp_path / "bench/decode_step_x.csv", rows)
     report(tmp_path)
     table = pd.read_csv(tmp_path / "tables/decode_step.csv").set_index("batch")
     assert table.loc[32, "bf16 between kernels ms"] == pytest.approx(0.5)
     assert table.loc[32, "nvfp4 between kernels ms"] == pytest.approx(0.75)
     assert table.loc[32, "bf16/nvfp4"] == pytest.approx(1.2)
-    assert table.loc[64, "nvfp4"] == 6.5 and pd.isna(table.loc[64, "nvfp4 between kernels ms"])
+    for batch in (64, 128):
+        assert pd.isna(table.loc[batch, "nvfp4 between kernels ms"])
+    assert table.loc[64, "nvfp4"] == 6.5
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    from qerl.bench.decode_step import busy_ms
+
+    # a side stream's kernel inside the main one's, one after a gap, one touching the last
+    spans = [(2000.0, 2500.0), (0.0, 1000.0), (200.0, 600.0), (900.0, 1200.0),
+             (2500.0, 2600.0)]
+    assert busy_ms(spans) == pytest.approx(1.8)
+    assert busy_ms([]) == 0.0
 
 
 def test_runs_on_each_rollout_backend_sit_side_by_side_with_their_mismatch(tmp_path):
