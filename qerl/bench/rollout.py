@@ -13,7 +13,8 @@ and NVFP4 (qerl/bench/vllm_rollout.py), at Qwen2.5 shapes with random weights.
 Every sequence runs to gen_len (EOS ignored), sampling at temperature 1; tokens/s counts
 generated tokens over the whole call (prefill included), after one warm-up call of the
 same length that captures the decode step's CUDA graphs (one per 256 slots of context, as
-a training run has them after its first rollout). Hugging Face generate runs the bare BF16
+a training run has them after its first rollout; vLLM's rows warm up with a short call, as
+vLLM captures its graphs when it starts). Hugging Face generate runs the bare BF16
 model with its default (dynamic) cache, at --hf-gen-len tokens, batch sizes up to
 --hf-max-batch.
 """
