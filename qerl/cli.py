@@ -160,14 +160,14 @@ def _adapter_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _settings_args(parser: argparse.ArgumentParser, settings) -> None:
-    """An option per field of a Settings model, its default and choices read from there."""
+    """An option per field of a Settings model, its default and choices read from there
+    (the parser's HelpFormatter names the default)."""
     for name, field in settings.model_fields.items():
         choices = get_args(field.annotation) if get_origin(field.annotation) is Literal else None
         kind = type(field.default)
-        help_text = f"{field.description}; " if field.description else ""
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=field.default,
                             type=None if choices else kind, choices=choices,
-                            help=f"{help_text}default: {field.default}")
+                            help=field.description)
 
 
 def build_parser() -> argparse.ArgumentParser:
