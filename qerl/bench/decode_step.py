@@ -53,29 +53,23 @@ def busy_ms(spans: list[tuple[float, float]]) -> float:
     return busy / 1e3
 
 
-def _device_spans(fn) -> list[tuple[float, float]]:
-    """The (start, end) in us of every GPU kernel and copy that one call of fn runs."""
-    from torch.autograd import DeviceType
+def _profiled(fn):
+    """torch.profiler's record of the GPU work of one call of fn."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return [(e.time_range.start, e.time_range.end) for e in prof.events()
-            if e.device_type == DeviceType.CUDA]
+    return prof
 
 
 def _kernels(engine: Engine, ids, slot: int, at: torch.Tensor, batch: int
              ) -> tuple[int, float, str]:
-    from torch.profiler import ProfilerActivity, profile
-
     cache = engine._view(batch, engine._span(slot))
     with torch.no_grad():
         engine.decoder(ids, at, cache)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            engine.decoder(ids, at, cache)
-            torch.cuda.synchronize()
+        prof = _profiled(lambda: engine.decoder(ids, at, cache))
     # Device-side events only (the API calls carry no device time).
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: -e.device_time_total)
@@ -91,7 +85,11 @@ def _replay_busy_ms(engine: Engine, ids, slot: int, at: torch.Tensor, kernels: i
     timed (an eager step profiled ran the side stream's beside none: its union equalled
     its sum). None where the profiler shows fewer kernels in the replay than the eager
     step launched: the union of some would pass for the step's."""
-    spans = _device_spans(lambda: engine._decode(ids, slot, at))
+    from torch.autograd import DeviceType
+
+    prof = _profiled(lambda: engine._decode(ids, slot, at))
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == DeviceType.CUDA]
     return busy_ms(spans) if len(spans) >= kernels else None
 
 
