@@ -75,24 +75,62 @@ def _warn_once(reason: str) -> None:
     log.warning("CUDA NVFP4 kernel unavailable, using the slower Triton kernel: %s", reason)
 
 
-def launch_shape(m: int, n: int, k: int, num_sms: int) -> tuple[int, int]:
-    """(splits, k_warps): blocks split K (``splits``, fp32 partials) until the GPU holds
-    about as many warps as it runs at once. Up to 8 rows, 4 warps per 16 rows are counted
-    and the target is 32 warps per SM (at ~24 resident, two waves or more keep the last one
-    short); within a block, 4 warps split K where there is one split (the strips alone fill
-    the GPU, as a wide gate_up does, or K is short), else 2 (the narrower layers that need
-    splits run faster so), and never more warps than quads of chunks (128 weights of K) to
-    share. Above 8 rows the block's warps share x and so one K range (k_warps = 1, a warp
-    per 16 rows) and splits fill ~16 warps per SM: near the best split count, with few
-    partials for the consumer to add. (More splits at M = 1 speed the kernel up and slow
-    the LoRA expand, which adds the partials, by as much.)"""
+def launch_shape(m: int, widths: list[int], k: int, num_sms: int, rank: int = 0
+                 ) -> tuple[int, int]:
+    """(splits, k_warps) for members of these widths (and, with ``rank``, the in-launch
+    LoRA shrink of that rank). Up to 8 rows, blocks split K (fp32 partials) until the GPU
+    holds about as many warps as it runs at once: 4 warps per 16 rows are counted and the
+    target is 32 warps per SM (at ~24 resident, two waves or more keep the last one short);
+    within a block, 4 warps split K where there is one split (the strips alone fill the GPU,
+    as a wide gate_up does, or K is short), else 2 (the narrower layers that need splits
+    run faster so), and never more warps than quads of chunks (128 weights of K) to share.
+    (More splits at M = 1 speed the kernel up and slow the LoRA expand, which adds the
+    partials, by as much.) Above 8 rows the block's warps share x and so one K range
+    (k_warps = 1): ``_shared_x_splits``."""
     quads = -(-k // 128)
     if m > SHARED_X_ABOVE:
-        return max(1, min(-(-16 * num_sms // -(-n // 16)), MAX_SPLITS, quads)), 1
-    warps = -(-n // 16) * 4
+        return _shared_x_splits(m, widths, quads, num_sms, rank), 1
+    warps = -(-sum(widths) // 16) * 4
     splits = max(1, min(-(-32 * num_sms // warps), MAX_SPLITS, -(-quads // 8)))
     k_warps = 4 if splits == 1 else 2
     return splits, min(k_warps, 1 << max(0, (quads // splits).bit_length() - 1))
+
+
+# Blocks an SM holds at once (the kernel's launch bounds, min_blocks in nvfp4_gemv.cu) by
+# 8-row tiles: 1, 2, then 4 for 3 or 4.
+RESIDENT = {1: 6, 2: 5}
+RESIDENT_ABOVE = 4
+BLOCK_COST = 4  # a block's fixed cost (its start, x's first stage, its stores) in quads
+# What a split costs the expand that adds the partials up, in quads: at 32 rows, 8 more
+# splits a 7B layer took its expand ~6 us longer (H200, decode-step profile).
+SPLIT_COST = 0.75
+SHRINK_WARPS = 4  # rows of A a shrink block takes (a warp each)
+
+
+def _shared_x_splits(m: int, widths: list[int], quads: int, num_sms: int, rank: int) -> int:
+    """Above 8 rows a block is four 16-row strips of one member over one K range, and the
+    launch takes as long as its waves of blocks, each as long as a block's quads of K plus
+    a fixed cost: splits are chosen to minimise (waves x (quads a split + BLOCK_COST)),
+    the fewest of equal cost. Waves count: a grid just past what the SMs hold runs a second
+    wave as long as the first (1.06-1.21 waves cost 15-25% on an H200, dev sweep at 17-32
+    rows). A shrink block's FMAs grow with the rows (a weight block's tensor-core work does
+    not, below 16): above 16 rows its slice of K, not the waves, can set the time. Splits
+    that leave a slice empty are never chosen, so every partial is written, and each split
+    costs the consumer SPLIT_COST."""
+    resident = RESIDENT.get(-(-m // 8), RESIDENT_ABOVE) * num_sms
+    blocks = sum(-(-n // (16 * SHRINK_WARPS)) for n in widths)
+    if rank:
+        blocks += len(widths) * -(-rank // SHRINK_WARPS)
+
+    def cost(per_split: int) -> tuple[float, int]:
+        splits = -(-quads // per_split)
+        waves = -(-blocks * splits // resident)
+        time = waves * (per_split + BLOCK_COST)
+        if rank:
+            time = max(time, per_split * m / 16 + BLOCK_COST)
+        return time + SPLIT_COST * splits, splits
+
+    return min(cost(q) for q in range(-(-quads // MAX_SPLITS), quads + 1))[1]
 
 
 @dataclass(frozen=True)
@@ -169,8 +207,9 @@ def _launch(x2, weights, k, splits, k_warps, lora_a):
         raise QuantizationError(f"above {SHARED_X_ABOVE} rows the CUDA kernel's warps share "
                                 f"x and one K range: k_warps must be 1, got {k_warps}")
     width = sum(w.n for w in weights)
-    auto = launch_shape(m, width, k, torch.cuda.get_device_properties(x2.device)
-                        .multi_processor_count)
+    auto = launch_shape(m, [w.n for w in weights], k,
+                        torch.cuda.get_device_properties(x2.device).multi_processor_count,
+                        0 if lora_a is None else lora_a[0].shape[0])
     splits = splits or auto[0]
     k_warps = k_warps or auto[1]
     out = torch.empty((splits, m, width), dtype=torch.float32 if splits > 1 else x2.dtype,
