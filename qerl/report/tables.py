@@ -306,8 +306,9 @@ def decode_step(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame
     wide = _by_weights(ours, "decode_step", "step_ms", "bf16/nvfp4")
     if "busy_ms" in ours:
         index = ["card", "model", *KINDS["decode_step"].setting]
-        between = _wide(ours.assign(between=ours.step_ms - ours.busy_ms), index, "method",
-                        "between")
+        # Both recorded to the microsecond: so is their difference.
+        between = _wide(ours.assign(between=(ours.step_ms - ours.busy_ms).round(3)), index,
+                        "method", "between")
         between = between.rename(columns={w: f"{w} between kernels ms"
                                            for w in between.columns if w not in index})
         wide = wide.merge(between, on=index, how="left")
