@@ -112,11 +112,10 @@ def _shared_x_splits(m: int, widths: list[int], quads: int, num_sms: int, rank: 
     launch takes as long as its waves of blocks, each as long as a block's quads of K plus
     a fixed cost: splits are chosen to minimise (waves x (quads a split + BLOCK_COST)),
     the fewest of equal cost. Waves count: a grid just past what the SMs hold runs a second
-    wave as long as the first (1.06-1.21 waves cost 15-25% on an H200, dev sweep at 17-32
-    rows). A shrink block's FMAs grow with the rows (a weight block's tensor-core work does
-    not, below 16): above 16 rows its slice of K, not the waves, can set the time. Splits
-    that leave a slice empty are never chosen, so every partial is written, and each split
-    costs the consumer SPLIT_COST."""
+    wave as long as the first (kernels/DESIGN.md has the sweep). A shrink block's FMAs grow
+    with the rows (a weight block's tensor-core work does not, below 16): above 16 rows its
+    slice of K, not the waves, can set the time. Splits that leave a slice empty are never
+    chosen, so every partial is written, and each split costs the consumer SPLIT_COST."""
     resident = RESIDENT.get(-(-m // 8), RESIDENT_ABOVE) * num_sms
     blocks = sum(-(-n // (16 * SHRINK_WARPS)) for n in widths)
     if rank:
