@@ -89,7 +89,7 @@ def launch_shape(m: int, widths: list[int], k: int, num_sms: int, rank: int = 0
     (k_warps = 1): ``_shared_x_splits``."""
     quads = -(-k // 128)
     if m > SHARED_X_ABOVE:
-        return _shared_x_splits(m, widths, quads, num_sms, rank), 1
+        return _shared_x_splits(m, tuple(widths), quads, num_sms, rank), 1
     warps = -(-sum(widths) // 16) * 4
     splits = max(1, min(-(-32 * num_sms // warps), MAX_SPLITS, -(-quads // 8)))
     k_warps = 4 if splits == 1 else 2
@@ -97,17 +97,20 @@ def launch_shape(m: int, widths: list[int], k: int, num_sms: int, rank: int = 0
 
 
 # Blocks an SM holds at once (the kernel's launch bounds, min_blocks in nvfp4_gemv.cu) by
-# 8-row tiles: 1, 2, then 4 for 3 or 4.
-RESIDENT = {1: 6, 2: 5}
-RESIDENT_ABOVE = 4
+# 8-row tiles, 1 to 4.
+RESIDENT = (6, 5, 4, 4)
+BLOCK_WARPS = 4  # kWarps in nvfp4_gemv.cu: a weight block's 16-row strips, a shrink's rows
 BLOCK_COST = 4  # a block's fixed cost (its start, x's first stage, its stores) in quads
 # What a split costs the expand that adds the partials up, in quads: at 32 rows, 8 more
 # splits a 7B layer took its expand ~6 us longer (H200, decode-step profile).
 SPLIT_COST = 0.75
-SHRINK_WARPS = 4  # rows of A a shrink block takes (a warp each)
 
 
-def _shared_x_splits(m: int, widths: list[int], quads: int, num_sms: int, rank: int) -> int:
+# Cached: the search takes ~0.1 ms, and a decode step outside a CUDA graph launches the
+# kernel ~100 times with a handful of shapes.
+@functools.cache
+def _shared_x_splits(m: int, widths: tuple[int, ...], quads: int, num_sms: int, rank: int
+                     ) -> int:
     """Above 8 rows a block is four 16-row strips of one member over one K range, and the
     launch takes as long as its waves of blocks, each as long as a block's quads of K plus
     a fixed cost: splits are chosen to minimise (waves x (quads a split + BLOCK_COST)),
@@ -116,10 +119,10 @@ def _shared_x_splits(m: int, widths: list[int], quads: int, num_sms: int, rank: 
     with the rows (a weight block's tensor-core work does not, below 16): above 16 rows its
     slice of K, not the waves, can set the time. Splits that leave a slice empty are never
     chosen, so every partial is written, and each split costs the consumer SPLIT_COST."""
-    resident = RESIDENT.get(-(-m // 8), RESIDENT_ABOVE) * num_sms
-    blocks = sum(-(-n // (16 * SHRINK_WARPS)) for n in widths)
+    resident = RESIDENT[-(-m // 8) - 1] * num_sms
+    blocks = sum(-(-n // (16 * BLOCK_WARPS)) for n in widths)
     if rank:
-        blocks += len(widths) * -(-rank // SHRINK_WARPS)
+        blocks += len(widths) * -(-rank // BLOCK_WARPS)
 
     def cost(per_split: int) -> tuple[float, int]:
         splits = -(-quads // per_split)

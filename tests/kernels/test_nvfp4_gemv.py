@@ -37,7 +37,7 @@ def test_launch_shape_fills_the_gpu_within_the_limits():
         assert gemv.launch_shape(m, [3584, 512, 512], 3584, 132)[1] == 1
 
 
-def _grid(m, widths, k, splits, rank):
+def _grid(widths, splits, rank):
     blocks = sum(-(-n // 64) for n in widths) + (len(widths) * -(-rank // 4) if rank else 0)
     return blocks * splits
 
@@ -59,7 +59,7 @@ def test_shared_x_splits_leave_no_slice_empty_and_no_short_last_wave(rank):
     resident = 4 * sms  # blocks an SM holds at 17-32 rows, by the launch bounds
     for m in (17, 24, 32):
         splits, _ = gemv.launch_shape(m, [3584], 3584, sms, rank)  # 7B o
-        assert _grid(m, [3584], 3584, splits, rank) <= resident
+        assert _grid([3584], splits, rank) <= resident
         # 7B gate_up: one split is 592 (+16) blocks, 1.12 waves; two cost 10% less.
         assert gemv.launch_shape(m, [18944, 18944], 3584, sms, rank)[0] == 2
 
