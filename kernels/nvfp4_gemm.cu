@@ -11,14 +11,17 @@
 // warp is mma.m16n8k16's, so the register layout the small-M kernel uses carries over: thread
 // (g, t) of warp w owns rows 16w + g and 16w + g + 8 of its warpgroup's 64 and, in a quad of
 // four 32-weight chunks (128 of K), chunk t. Its k values are not the 16 consecutive ones
-// wgmma's A fragment names, so x is stored in that order instead: nvfp4_layout.gemm_order
-// permutes x's columns within each 128 (one copy of x, ~1% of the weight's bytes at the
-// sizes where this kernel runs), and B's 16-column k steps read it as they come.
+// wgmma's A fragment names, so x is stored in that order instead: nvfp4_layout.gemm_tiles
+// permutes x's columns within each 128 and lays each 128 out as two tiles of BM tokens x 64
+// columns, already in wgmma's swizzled layout (one copy of x, ~1% of the weight's bytes at
+// the sizes where this kernel runs), so that B's 16-column k steps read it as they come and
+// a unit's x is two contiguous bulk copies.
 //
-// A block (one an SM): two warpgroups (128 W rows) x BM tokens (64-256), a multistage cp.async
-// pipeline of 128-column quads (the W tiles of 16 rows x 1 KB, their 128 x 8 scale bytes and
-// BM x 256 bytes of x in wgmma's K-major layout with the 128-byte swizzle), each quad eight
-// wgmmas of K = 16 per warpgroup. The work is split stream-K: a (tile, quad) pair is a
+// A block (one an SM): two consumer warpgroups (128 W rows) x BM tokens (64-256) and a
+// producer warp, a pipeline of 128-column quads on mbarriers (the W tiles of 16 rows x 1 KB
+// and x's two halves as bulk copies, their 128 x 8 scale bytes as cp.async), each quad eight
+// wgmmas of K = 16 per warpgroup. The consumers only decode and multiply: no copy, no block
+// barrier in their loop. The work is split stream-K: a (tile, quad) pair is a
 // unit, and the grid's blocks (as many as fit on the GPU at once) each take an equal run of
 // units in tile order, so no wave is short and one pipeline runs through a block's tiles.
 // A tile shared by several blocks is finished by those whose runs end in it, each adding
@@ -105,12 +108,65 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
-__device__ __forceinline__ void copy_async8(void* smem, const void* gmem) {
-  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(to), "l"(gmem));
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-constexpr int kThreads = 256;  // two warpgroups
+__device__ __forceinline__ void copy_async8(void* smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem_address(smem)), "l"(gmem));
+}
+
+// The pipeline's barriers (mbarrier): a stage is full once its bulk copies' bytes and the
+// producer lanes' scale copies are in; empty once every consumer warp is done with it.
+__device__ __forceinline__ void barrier_init(uint64_t* bar, int arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(bar)),
+               "r"(arrivals));
+}
+
+__device__ __forceinline__ void barrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_address(bar)) : "memory");
+}
+
+__device__ __forceinline__ void barrier_expect(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+                   smem_address(bar)), "r"(bytes) : "memory");
+}
+
+// Arrives on bar once this thread's cp.async copies so far have landed.
+__device__ __forceinline__ void barrier_arrive_copies(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_address(bar))
+               : "memory");
+}
+
+__device__ __forceinline__ void barrier_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}" ::"r"(smem_address(bar)), "r"(parity) : "memory");
+}
+
+// A bulk copy (the copy engine, no thread's registers) of `bytes` (a multiple of 16) that
+// counts its bytes on bar.
+__device__ __forceinline__ void copy_bulk(void* smem, const void* gmem, uint32_t bytes,
+                                          uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(smem_address(smem)), "l"(gmem), "r"(bytes), "r"(smem_address(bar)) : "memory");
+}
+
+constexpr int kThreads = 256;  // two consumer warpgroups
+// A third warpgroup, the producer: its first warp issues the copies. Registers go to
+// warps 4 at a time, so one producer warp would cost a warpgroup's anyway; setmaxnreg
+// moves the producer's to the consumers (their fragments, accumulators and decode).
+constexpr int kProducer = kThreads / 32;
+constexpr int kBlockThreads = kThreads + 128;
+constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
+static_assert(kThreads * kConsumerRegisters + 128 * kProducerRegisters <= 65536);
+
+// The consumers' barrier (the producer warp has its own loop and leaves early).
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory");
+}
 
 constexpr int kRows = 128;  // W rows a block: 64 a warpgroup
 
@@ -124,19 +180,19 @@ __host__ __device__ constexpr int stage_bytes() {
   return kXAt + BM * 256;
 }
 
-// Pipeline stages, as many as fit in shared memory (227 KB a block): the weight's copies
-// run furthest ahead where the tile is narrowest and the kernel most bound by them. Six at
-// 64 tokens, one block an SM, beat two blocks of four stages (the 64-token kernel then
-// also had the registers not to spill): 7B gate_up at 64 rows 64 -> 56 us, down 40 -> 33
-// (H100 dev build).
+// Pipeline stages: as many as fit in shared memory (227 KB a block) beside the barriers,
+// but 6 at 64 tokens, where 8 ran 7B gate_up, 7B down and 32B down at 64 rows 6-12% slower
+// (H200 dev sweep); at 128, 5 beat 4 by 1-3%.
 template <int BM>
 __host__ __device__ constexpr int stages() {
-  return BM == 64 ? 6 : BM == 128 ? 4 : 3;
+  return BM == 64 ? 6 : BM == 128 ? 5 : 3;
 }
 
+// The stages (from a 1024-byte boundary: the swizzle's pattern repeats every 1024 bytes of
+// address), then a full and an empty barrier a stage.
 template <int BM>
 __host__ __device__ constexpr int smem_bytes() {
-  return stages<BM>() * stage_bytes<BM>() + 1024;  // + room to align
+  return stages<BM>() * stage_bytes<BM>() + 1024 + 16 * stages<BM>();
 }
 
 // B's descriptor: K-major with the 128-byte swizzle, each 64 columns of the quad a block of
@@ -160,13 +216,13 @@ struct Member {
 };
 
 struct GemmArgs {
-  const uint16_t* x;  // [m, quads * 128], columns in gemm order (zeros past K)
+  const uint16_t* x;  // gemm_tiles: [quads][2][tiles_m * BM][64], swizzled, zeros past M, K
   Member w[kMembers];  // every member but the last a whole number of tiles wide
   int members;
   uint16_t* out;   // [m][n], x's dtype: the members' outputs side by side
   float* partial;  // [blocks][2][BM / 2][kThreads]: a block's first and last piece
   int* ready;      // [blocks][2], zeros: set once that partial is written
-  long long stride_xm, stride_om;
+  long long stride_om;
   long long units;  // tiles * quads, tiles = tiles_m * ceil(n / kRows), m fastest
   int m, n, quads, tiles_m, blocks;
   float post;  // 2^62 (bf16) or 2^14 (fp16)
@@ -209,7 +265,7 @@ __device__ __forceinline__ void write_tile(const GemmArgs& a, const Member& w,
       if (w.bias != nullptr && n0 + row < end) v += to_float<BF16>(w.bias[n0 + row - w.begin]);
       tile[tok * kPitch + row] = from_float<BF16>(v);
     }
-  __syncthreads();
+  consumers_sync();
   const bool vectors =
       reinterpret_cast<uintptr_t>(a.out) % 16 == 0 && a.stride_om % kEl == 0;
   for (int i = threadIdx.x; i < BM * kPieces; i += kThreads) {
@@ -320,7 +376,7 @@ __device__ __forceinline__ void finish_piece(const GemmArgs& a, const float (&ac
                                              int q_last, int slot) {
   const int tid = threadIdx.x;
   if (q_first == 0 && q_last == a.quads - 1) {
-    __syncthreads();  // both warpgroups are done with the stage the tile goes through
+    consumers_sync();  // both warpgroups are done with the stage the tile goes through
     const int nb = static_cast<int>(tile / a.tiles_m), mb = static_cast<int>(tile % a.tiles_m);
     write_tile<BF16, BM>(a, member_at(a, nb * kRows), acc, smem, mb * BM, nb * kRows);
     return;
@@ -328,7 +384,7 @@ __device__ __forceinline__ void finish_piece(const GemmArgs& a, const float (&ac
   float* to = partial_at<BM>(a, blockIdx.x, slot) + tid;
 #pragma unroll
   for (int j = 0; j < BM / 2; ++j) __stcg(to + j * kThreads, acc[j]);
-  __syncthreads();
+  consumers_sync();
   if (tid == 0) {
     __threadfence();
     release(a.ready + 2 * blockIdx.x + slot);
@@ -360,7 +416,7 @@ __device__ __forceinline__ void finish_last(const GemmArgs& a, float (&acc)[BM /
   }
   for (int b = s.lo + threadIdx.x; b <= s.hi; b += kThreads)
     if (b != blockIdx.x) acquire(a.ready + 2 * b + (b == s.lo ? s.lo_slot : 0));
-  __syncthreads();
+  consumers_sync();
   const int nb = static_cast<int>(tile / a.tiles_m), mb = static_cast<int>(tile % a.tiles_m);
   const Member& w = member_at(a, nb * kRows);
   if (!split) {  // this block is lo: the others' pieces start their runs (slot 0)
@@ -381,90 +437,106 @@ __device__ __forceinline__ void finish_last(const GemmArgs& a, float (&acc)[BM /
 }
 
 template <bool BF16, int BM>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kBlockThreads, 1)
     nvfp4_gemm_kernel(const __grid_constant__ GemmArgs a) {
   constexpr int S = stages<BM>(), STAGE = stage_bytes<BM>();
+  constexpr uint32_t kStageBytes = kRows * 64 + BM * 256;  // the bulk copies' (codes, x)
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  // The swizzle pattern repeats every 1024 bytes of address: the stages start aligned.
-  uint8_t* smem =
-      smem_raw + ((1024 - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw))) & 1023);
+  uint8_t* smem = smem_raw + ((1024 - smem_address(smem_raw)) & 1023);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * STAGE);
+  uint64_t* empty = full + S;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const long long begin = first_unit(a, blockIdx.x);
   const int count = static_cast<int>(first_unit(a, blockIdx.x + 1) - begin);
   if (count <= 0) return;  // (the host launches at most one block a unit)
+  if (tid == 0) {
+    for (int i = 0; i < S; ++i) {
+      barrier_init(full + i, 33);  // the copies' bytes + 32 producer lanes' scale copies
+      barrier_init(empty + i, kThreads / 32);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
 
-  // What this thread copies each quad: two 16-byte pieces of the codes, one row's 8 scale
-  // bytes (threads < 128), and BM / 16 pieces of x: piece c of tokens tok0 + 16i. Rows past
-  // N and tokens past M copy the last ones again: their sums land in rows and tokens that
-  // are never stored. The 128-byte swizzle puts piece c of token tok at 16 (c % 8 ^ tok % 8)
-  // in its row of half c / 8, so a quarter warp (one token's eight pieces of a half) writes
-  // a whole 128-byte row, conflict-free. The units go in order: the sources are aimed at a
-  // tile and step a quad a copy (address arithmetic was most of a unit's instructions).
-  const int c = tid & 15, tok0 = tid >> 4;
-  const int x_to = (c >> 3) * (BM * 128) + tok0 * 128 + (((c & 7) ^ (tok0 & 7)) << 4);
-  const uint8_t* code_from[2];
-  const uint8_t* scale_from;
-  const uint16_t* x_from;
-  uint32_t x_row[BM / 16];  // offsets of the tokens' rows from x_from (x < 2^31 elements)
-  int load_tile = static_cast<int>(begin / a.quads), load_q = static_cast<int>(begin % a.quads);
-  auto aim = [&](int tile, int q) {
-    const int nb = tile / a.tiles_m, m0 = (tile - nb * a.tiles_m) * BM;
-    const Member& w = member_at(a, nb * kRows);
-    const int row0 = nb * kRows - w.begin;  // the tile's first row of the member
+  if (warp >= kProducer) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
+    if (warp != kProducer) return;
+    // Unit i's copies into stage i % S once the consumers are done with unit i - S, a
+    // lane each, side by side (one warp issuing them one after another was the kernel's
+    // bottleneck at 64 tokens): lanes 0-7 a strip's 1 KB of codes and lanes 8-9 a half of
+    // x (BM tokens x 128 bytes, already in the swizzled layout: gemm_tiles) as bulk
+    // copies, and every lane 4 of the 128 rows' 8 scale bytes. The sources are aimed at a
+    // tile once and step a quad a copy; rows past N copy the last strip and row again:
+    // their sums land in rows that are never stored.
+    const long long x_quad = 2ll * a.tiles_m * BM * 64;  // x's elements a quad
+    const uint8_t* from = nullptr;  // this lane's bulk copy
+    const uint8_t* scale_from[kRows / 32];
+    uint32_t bytes = 0, to = 0;
+    long long tile = begin / a.quads;
+    int q = static_cast<int>(begin % a.quads);
+    auto aim = [&]() {
+      const int nb = static_cast<int>(tile / a.tiles_m);
+      const int mb = static_cast<int>(tile - static_cast<long long>(nb) * a.tiles_m);
+      const Member& w = member_at(a, nb * kRows);
+      const int row0 = nb * kRows - w.begin;
+      if (lane < kRows / 16) {
+        from = w.pairs + min(row0 / 16 + lane, (w.n - 1) / 16) * w.stride_p + 1024ll * q;
+        bytes = 1024;
+        to = lane * 1024;
+      } else if (lane < kRows / 16 + 2) {
+        const int h = lane - kRows / 16;
+        from = reinterpret_cast<const uint8_t*>(
+            a.x + q * x_quad + (h * a.tiles_m + mb) * static_cast<long long>(BM) * 64);
+        bytes = BM * 128;
+        to = kXAt + h * BM * 128;
+      }
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int piece = tid + i * kThreads;
-      const int strip = min(row0 / 16 + piece / 64, (w.n - 1) / 16);
-      code_from[i] = w.pairs + strip * w.stride_p + (piece % 64) * 16 + 1024ll * q;
+      for (int r = 0; r < kRows / 32; ++r)
+        scale_from[r] = w.scale + min(row0 + lane + 32 * r, w.n - 1) * w.stride_s + 8ll * q;
+    };
+    aim();
+    for (int i = 0; i < count; ++i) {
+      const int slot = i % S;
+      if (i >= S) barrier_wait(empty + slot, ((i / S) + 1) & 1);
+      uint8_t* s = smem + slot * STAGE;
+      if (lane == 0) barrier_expect(full + slot, kStageBytes);
+      __syncwarp();
+      if (bytes) copy_bulk(s + to, from, bytes, full + slot);
+#pragma unroll
+      for (int r = 0; r < kRows / 32; ++r)
+        copy_async8(s + kScalesAt + (lane + 32 * r) * 8, scale_from[r]);
+      barrier_arrive_copies(full + slot);
+      if (++q == a.quads) {
+        q = 0;
+        ++tile;
+        aim();
+      } else {
+        from += lane < kRows / 16 ? 1024 : x_quad * 2;
+#pragma unroll
+        for (int r = 0; r < kRows / 32; ++r) scale_from[r] += 8;
+      }
     }
-    scale_from = w.scale + min(row0 + tid, w.n - 1) * w.stride_s + 8ll * q;
-    x_from = a.x + 128ll * q + c * 8;
-#pragma unroll
-    for (int i = 0; i < BM / 16; ++i)
-      x_row[i] = static_cast<uint32_t>(min(m0 + tok0 + 16 * i, a.m - 1) * a.stride_xm);
-  };
-  aim(load_tile, load_q);
-  auto load = [&](int slot) {
-    uint8_t* s = smem + slot * STAGE;
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-      copy_async(reinterpret_cast<uint4*>(s + (tid + i * kThreads) * 16), code_from[i], true);
-    if (tid < kRows) copy_async8(s + kScalesAt + tid * 8, scale_from);
-#pragma unroll
-    for (int i = 0; i < BM / 16; ++i)
-      copy_async(reinterpret_cast<uint4*>(s + kXAt + x_to + 2048 * i), x_from + x_row[i],
-                 true);
-    if (++load_q == a.quads) {
-      load_q = 0;
-      aim(++load_tile, 0);
-    } else {
-      code_from[0] += 1024;
-      code_from[1] += 1024;
-      scale_from += 8;
-      x_from += 128;
-    }
-  };
+    // Stay until the last copies are in (the consumers wait for them).
+    for (int i = max(0, count - S); i < count; ++i) barrier_wait(full + i % S, (i / S) & 1);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
 
   float acc[BM / 2];
 #pragma unroll
   for (int j = 0; j < BM / 2; ++j) acc[j] = 0.f;
-
-#pragma unroll
-  for (int i = 0; i < S - 1; ++i) {
-    if (i < count) load(i);
-    asm volatile("cp.async.commit_group;");
-  }
   // Warp w multiplies strip w of the block (rows 16w .. 16w + 15): warpgroup w / 4 holds
   // rows 64 (w / 4) .. + 63 of the block, the wgmma's 64.
   const int code_at = warp * 1024 + g * 64 + t * 16;
   const int scale_at = kScalesAt + (warp * 16 + g) * 8 + 2 * t;
-  const uint32_t x_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem + kXAt));
+  const uint32_t x_base = smem_address(smem + kXAt);
 
-  // Unit i's weight fragments from its slot: step 2 wd + h multiplies pair h of word wd's
-  // low group (k slots 2t, 2t + 1) and of its high group (slots 2t + 8, 2t + 9), rows g
-  // and g + 8: gemm_order's columns.
+  // Unit i's weight fragments from its stage, once its copies are in: step 2 wd + h
+  // multiplies pair h of word wd's low group (k slots 2t, 2t + 1) and of its high group
+  // (slots 2t + 8, 2t + 9), rows g and g + 8: gemm_order's columns.
   auto decode = [&](uint32_t (&frag)[8][4], int i) {
+    barrier_wait(full + i % S, (i / S) & 1);
     const uint8_t* s = smem + (i % S) * STAGE;
     uint32_t s_lo[2], s_hi[2];
     Vec4 w[2];
@@ -489,9 +561,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   };
-  // Unit i: its eight wgmmas go out; while they run, the unit before is waited for, the
-  // next unit's copy too, the slot of the unit before (done in both warpgroups after the
-  // barrier) refilled, and the next unit decoded into the other fragment registers.
+  // Unit i: its eight wgmmas go out; while they run, the unit before is waited for and its
+  // stage handed back to the producer, and the next unit decoded into the other fragment
+  // registers (the decode overlaps the tensor core). A piece's last stage is handed back
+  // only after the piece has gone out through it (finish_piece).
   auto step = [&](int i, const uint32_t (&frag)[8][4], uint32_t (&next)[8][4]) {
     const uint32_t x_slot = x_base + (i % S) * STAGE;
     wgmma_fence();
@@ -501,13 +574,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           acc, frag[k], x_descriptor(x_slot + (k >> 2) * BM * 128 + (k & 3) * 32));
     wgmma_commit();
     wgmma_wait<1>();
-    if (i + 1 < count) {
-      asm volatile("cp.async.wait_group %0;" ::"n"(S - 3));
-      __syncthreads();
-      if (i + S - 1 < count) load((i + S - 1) % S);
-      asm volatile("cp.async.commit_group;");
-      decode(next, i + 1);
+    if (i > 0) {
+      __syncwarp();
+      if (lane == 0) barrier_arrive(empty + (i - 1) % S);
     }
+    if (i + 1 < count) decode(next, i + 1);
   };
   // A piece's units, two at a time so that the fragments stay in registers: from the
   // fragments `now` (decoded) to the ones its last unit decoded the next piece's first into.
@@ -519,8 +590,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
 
   uint32_t frag[2][8][4];
-  asm volatile("cp.async.wait_group %0;" ::"n"(S - 2));
-  __syncthreads();
   decode(frag[0], 0);
   long long tile = begin / a.quads;
   int q_first = static_cast<int>(begin % a.quads);
@@ -532,9 +601,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       piece(i, end, frag[0], frag[1]);
     odd ^= (end - i) & 1;
     wgmma_wait<0>();
-    // Its sums are done; it goes out through its last unit's stage (refilled only after
-    // the next unit's barrier). Any piece but the block's last is a whole tile or the end
-    // of one that starts elsewhere.
+    // Its sums are done; it goes out through its last unit's stage (handed back in the
+    // next unit's step). Any piece but the block's last is a whole tile or the end of one
+    // that starts elsewhere.
     if (end == count) {
       finish_last<BF16, BM>(a, acc, smem + ((end - 1) % S) * STAGE, tile, q_first,
                             q_first + end - i - 1, i == 0);
@@ -542,6 +611,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     finish_piece<BF16, BM>(a, acc, smem + ((end - 1) % S) * STAGE, tile, q_first,
                            q_first + end - i - 1, 0);
+    // The stage was written through the generic proxy; the producer's next copy into it
+    // goes through the async one.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #pragma unroll
     for (int j = 0; j < BM / 2; ++j) acc[j] = 0.f;
     i = end;
@@ -550,7 +622,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 template <bool BF16, int BM>
 cudaError_t launch(const GemmArgs& a, cudaStream_t stream) {
-  nvfp4_gemm_kernel<BF16, BM><<<a.blocks, kThreads, smem_bytes<BM>(), stream>>>(a);
+  nvfp4_gemm_kernel<BF16, BM><<<a.blocks, kBlockThreads, smem_bytes<BM>(), stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -598,7 +670,7 @@ int qerl_nvfp4_gemm_init(int device) {
 // bias[i] (or null) and n[i] rows, all but the last a multiple of 128; out is [m, sum n];
 // partial holds blocks * bm * 256 floats, ready 2 * blocks ints, zeroed. Shapes and
 // strides are checked by the caller.
-int qerl_nvfp4_gemm(int bf16, const void* x, long long stride_xm, int members,
+int qerl_nvfp4_gemm(int bf16, const void* x, int members,
                     const void* const* pairs, const long long* stride_p,
                     const void* const* scale, const long long* stride_s,
                     const void* const* global_scale, const void* const* bias, const int* n,
@@ -621,7 +693,6 @@ int qerl_nvfp4_gemm(int bf16, const void* x, long long stride_xm, int members,
   a.out = static_cast<uint16_t*>(out);
   a.partial = static_cast<float*>(partial);
   a.ready = static_cast<int*>(ready);
-  a.stride_xm = stride_xm;
   a.stride_om = stride_om;
   a.m = m;
   a.n = total;

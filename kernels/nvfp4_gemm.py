@@ -25,46 +25,49 @@ from qerl.kernels import nvfp4_layout as layout
 SOURCE = Path(__file__).with_name("nvfp4_gemm.cu")
 ARCHS = cuda_build.SOURCES[SOURCE.name]  # device architecture -> what the kernel is built for
 ROWS = 128  # weight rows a block multiplies
-THREADS = 256
+THREADS = 256  # the consumer threads (the producer warp's copies are not counted)
 # The fewest (tile, quad) units a block takes: below, a block's pipeline fill and its
 # partial cost more than the SM it fills gains.
 MIN_UNITS = 8
-MAX_X_ELEMENTS = 2**31 - 1  # one launch's activations (32-bit offsets)
 
 
 @triton.jit
-def _gemm_order_kernel(x_ptr, out_ptr, ready_ptr, M, K, stride_xm, stride_om, READY,
+def _gemm_tiles_kernel(x_ptr, out_ptr, ready_ptr, M, K, ROWS, stride_xm, READY,
                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
-    """out[:, 128q + d] = x[:, 128q + src(d)] for one 128-column quad q and BLOCK_M rows
-    (nvfp4_layout.gemm_order, zeros past K): one pass, both sides touching whole sectors.
-    The first program also zeroes the GEMM's READY flags, which would take a launch of
-    their own."""
+    """nvfp4_layout.gemm_tiles for one 128-column quad q and BLOCK_M of its ROWS rows (zeros
+    past M and K): one pass, both sides touching whole sectors. The first program also
+    zeroes the GEMM's READY flags, which would take a launch of their own."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     q = tl.program_id(1)
     r = tl.arange(0, BLOCK_R)
     tl.store(ready_ptr + r, tl.zeros([BLOCK_R], tl.int32),
              mask=r < tl.where(tl.program_id(0) + q == 0, READY, 0))
-    d = tl.arange(0, 128)
+    # Output column p (half p // 64, chunk p // 8 % 8) of row r holds gemm_order's column
+    # d of that half, chunk p // 8 % 8 ^ r % 8: rows are loaded and stored whole, and
+    # permuted in between.
+    p = tl.arange(0, 128)
+    v = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + q * 128 + p[None, :],
+                mask=(rows[:, None] < M) & (q * 128 + p[None, :] < K), other=0.0)
+    half = p // 64
+    d = half[None, :] * 64 + (((p // 8) % 8)[None, :] ^ (rows[:, None] % 8)) * 8 + p[None, :] % 8
     step = d // 16
     src = 32 * ((d // 2) % 4) + 16 * ((d // 8) % 2) + 4 * (step // 2) + 2 * (step % 2) + d % 2
-    cols = q * 128 + src
-    row_ok = rows[:, None] < M
-    v = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :],
-                mask=row_ok & (cols[None, :] < K), other=0.0)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + q * 128 + d[None, :], v,
-             mask=row_ok)
+    v = tl.gather(v, src, axis=1)
+    at = ((q * 2 + half[None, :]).to(tl.int64) * ROWS + rows[:, None]) * 64 + p[None, :] % 64
+    tl.store(out_ptr + at, v, mask=rows[:, None] < ROWS)
 
 
-def gemm_order(x2: torch.Tensor, quads: int, ready: torch.Tensor | None = None
+def gemm_tiles(x2: torch.Tensor, quads: int, rows: int, ready: torch.Tensor | None = None
                ) -> torch.Tensor:
-    """nvfp4_layout.gemm_order in one kernel: x2 [M, K] -> [M, 128 * quads]; zeroes the
+    """nvfp4_layout.gemm_tiles in one kernel: x2 [M, K] -> [quads, 2, rows, 64]; zeroes the
     int32 tensor ``ready`` on the way."""
     m, k = x2.shape
-    out = torch.empty((m, quads * layout.TILE_WEIGHTS), dtype=x2.dtype, device=x2.device)
+    out = torch.empty((quads, 2, rows, layout.GEMM_TILE_COLUMNS), dtype=x2.dtype,
+                      device=x2.device)
     block_m = 16
     n_ready = 0 if ready is None else ready.numel()
-    _gemm_order_kernel[(triton.cdiv(m, block_m), quads)](
-        x2, out, out if ready is None else ready, m, k, x2.stride(0), out.stride(0), n_ready,
+    _gemm_tiles_kernel[(triton.cdiv(rows, block_m), quads)](
+        x2, out, out if ready is None else ready, m, k, rows, x2.stride(0), n_ready,
         BLOCK_M=block_m, BLOCK_R=triton.next_power_of_2(max(n_ready, 1)))
     return out
 
@@ -74,7 +77,7 @@ _POINTERS, _LONGS = _c.POINTER(_c.c_void_p), _c.POINTER(_c.c_longlong)
 # qerl_nvfp4_gemm's parameters in nvfp4_gemm.cu's order (a test reads them against it: a
 # missing one shifts the stream into an int, and the call crashes the process).
 ARGTYPES = [
-    _c.c_int, _c.c_void_p, _c.c_longlong, _c.c_int, _POINTERS, _LONGS, _POINTERS, _LONGS,
+    _c.c_int, _c.c_void_p, _c.c_int, _POINTERS, _LONGS, _POINTERS, _LONGS,
     _POINTERS, _POINTERS, _c.POINTER(_c.c_int), _c.c_void_p, _c.c_longlong, _c.c_void_p,
     _c.c_void_p, _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_void_p]
 
@@ -188,10 +191,6 @@ def linear_group(x2: torch.Tensor, weights: list[tuple], k: int,
     for pairs, scale, *_ in weights:
         if not supports(k, scale, pairs):
             raise QuantizationError(f"the Hopper NVFP4 GEMM takes {REQUIREMENT}; got K = {k}")
-    rows = MAX_X_ELEMENTS // (quads * layout.TILE_WEIGHTS)
-    if m > rows:  # the kernel addresses x with 32-bit offsets
-        return torch.cat([linear_group(x2[i:i + rows], weights, k, launch)
-                          for i in range(0, m, rows)])
     launch = launch or launch_for(m, n, k, torch.cuda.get_device_properties(x2.device)
                                   .multi_processor_count)
     work = units(m, n, k, launch.token_tile)
@@ -199,7 +198,7 @@ def linear_group(x2: torch.Tensor, weights: list[tuple], k: int,
         raise QuantizationError(f"{launch} has blocks outside 1..{work} (the units)")
     # A block's partial sums and flags: its first piece and its last (nvfp4_gemm.cu).
     ready = torch.empty(2 * launch.blocks, dtype=torch.int32, device=x2.device)
-    xg = gemm_order(x2, quads, ready)
+    xg = gemm_tiles(x2, quads, -(-m // launch.token_tile) * launch.token_tile, ready)
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     partial = torch.empty(launch.blocks * launch.token_tile * THREADS,
                           dtype=torch.float32, device=x2.device)
@@ -211,7 +210,7 @@ def linear_group(x2: torch.Tensor, weights: list[tuple], k: int,
         return (ctype * len(values))(*values)
 
     error = lib.qerl_nvfp4_gemm(
-        int(x2.dtype == torch.bfloat16), xg.data_ptr(), xg.stride(0), len(weights),
+        int(x2.dtype == torch.bfloat16), xg.data_ptr(), len(weights),
         array(ctypes.c_void_p, [w[0].data_ptr() for w in weights]),
         array(ctypes.c_longlong, [w[0].stride(0) for w in weights]),
         array(ctypes.c_void_p, [w[1].data_ptr() for w in weights]),

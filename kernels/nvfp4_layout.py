@@ -155,3 +155,23 @@ def gemm_order(x: torch.Tensor, quads: int) -> torch.Tensor:
     m, k = x.shape
     x = torch.nn.functional.pad(x, (0, quads * TILE_WEIGHTS - k))
     return x.view(m, quads, 4, 2, 4, 2, 2).permute(0, 1, 4, 5, 3, 2, 6).reshape(m, -1)
+
+
+GEMM_TILE_COLUMNS = 64  # a row of x's tiles: 128 bytes, the span of wgmma's 128-byte swizzle
+
+
+def gemm_tiles(x: torch.Tensor, quads: int, rows: int) -> torch.Tensor:
+    """x [M, K] -> [quads, 2, rows, 64]: ``gemm_order``'s columns, each quad's two halves of
+    64 as tiles of ``rows`` (>= M; zeros past M) and within each row of a tile the eight
+    16-byte chunks in the Hopper GEMM's swizzled order (chunk c of row r at c ^ r % 8, the
+    layout wgmma reads with the 128-byte swizzle). A tile of BM rows is then one contiguous
+    copy from HBM into shared memory, as the kernel's bulk copies need."""
+    m = x.shape[0]
+    if rows < m:
+        raise QuantizationError(f"gemm_tiles needs rows >= M = {m}, got {rows}")
+    ordered = torch.nn.functional.pad(gemm_order(x, quads), (0, 0, 0, rows - m))
+    chunks = ordered.view(rows, quads, 2, 8, 8)
+    r = torch.arange(rows, device=x.device)
+    where = (torch.arange(8, device=x.device)[None, :] ^ (r % 8)[:, None])  # [rows, 8]
+    swizzled = chunks[r[:, None], :, :, where]  # [rows, 8, quads, 2, 8]
+    return swizzled.permute(2, 3, 0, 1, 4).reshape(quads, 2, rows, GEMM_TILE_COLUMNS)

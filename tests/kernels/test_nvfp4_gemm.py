@@ -34,16 +34,35 @@ def test_gemm_order_is_the_k_order_of_the_weight_fragments():
             128 * q + 32 * t + 16 * hi + 4 * w + 2 * h + e)
 
 
+def test_gemm_tiles_are_the_ordered_columns_in_swizzled_row_tiles():
+    """Column 64h + 8c + e of quad q (gemm_order's) of row r lands in tile (q, h), row r, at
+    16-byte chunk c ^ r % 8: a tile is what wgmma reads with the 128-byte swizzle. Rows
+    past M are zeros."""
+    m, quads, rows = 11, 2, 16
+    x = torch.arange(m * 256, dtype=torch.float64).view(m, 256)
+    ordered = layout.gemm_order(x, quads)
+    got = layout.gemm_tiles(x, quads, rows)
+    assert got.shape == (quads, 2, rows, 64)
+    for q, h, r, c, e in itertools.product(range(quads), range(2), range(rows), range(8),
+                                           range(8)):
+        want = ordered[r, 128 * q + 64 * h + 8 * c + e] if r < m else 0
+        assert got[q, h, r, 8 * (c ^ r % 8) + e] == want
+    with pytest.raises(QuantizationError, match="rows >= M = 11"):
+        layout.gemm_tiles(x, quads, 8)
+
+
 @pytest.mark.skipif(not (torch.cuda.is_available() or km.interpreting()),
                     reason="no GPU and no interpreter")
-@pytest.mark.parametrize(("m", "k"), [(1, 128), (5, 384), (33, 200), (17, 130)])
-def test_the_copy_kernel_orders_and_pads_as_the_definition_and_zeroes_the_flags(m, k):
+@pytest.mark.parametrize(("m", "k", "rows"), [(1, 128, 64), (5, 384, 64), (33, 200, 128),
+                                              (17, 130, 192)])
+def test_the_copy_kernel_tiles_and_pads_as_the_definition_and_zeroes_the_flags(m, k, rows):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(fresh_seed())).to(dev)
     x = x.to(torch.bfloat16)
     quads = -(-k // 128)
     ready = torch.full((300,), 7, dtype=torch.int32, device=dev)
-    assert torch.equal(gemm.gemm_order(x, quads, ready), layout.gemm_order(x, quads))
+    got = gemm.gemm_tiles(torch.nn.functional.pad(x, (0, 5))[:, :k], quads, rows, ready)
+    assert torch.equal(got, layout.gemm_tiles(x, quads, rows))
     assert not ready.any()  # the GEMM's flags, zeroed on the way
 
 
