@@ -268,6 +268,16 @@ def rollout(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
                           "batch"])
 
 
+def _day_span(days: pd.Series) -> str:
+    """The days a row's measurements were taken: "2026-11-28", or "2026-11-26 .. 2026-11-28"
+    where its cells come from runs days apart (older code in some)."""
+    days = days[days != "nan"]
+    if days.empty:
+        return ""
+    first, last = days.min(), days.max()
+    return first if first == last else f"{first} .. {last}"
+
+
 def _speedup_by_m(kind: str, index: list[str], method: str, doc: str):
     """A table of ``kind``'s speed-ups over cuBLAS BF16: a row per card, model, ``index``
     and method (named ``method``), a column per M."""
@@ -276,7 +286,12 @@ def _speedup_by_m(kind: str, index: list[str], method: str, doc: str):
         ours = frames.get(kind)
         if ours is None:
             return pd.DataFrame()
-        wide = _wide(ours, ["card", "model", *index, "method"], "M", "speedup_vs_bf16")
+        keys = ["card", "model", *index, "method"]
+        wide = _wide(ours, keys, "M", "speedup_vs_bf16")
+        if "date" in ours:  # a row's cells can come from runs of other versions: say when
+            days = ours.assign(day=ours["date"].astype(str).str[:10])
+            span = days.groupby(keys, dropna=False)["day"].agg(_day_span).rename("measured")
+            wide = wide.merge(span.reset_index(), on=keys, how="left")
         columns = {"method": method, **{m: f"M={m}" for m in ours.M.unique()}}
         return _sorted(wide.rename(columns=columns), ["card", "model"])
 

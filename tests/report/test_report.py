@@ -258,6 +258,21 @@ def test_a_missing_results_folder_or_paper_file_is_named(tmp_path):
         report(tmp_path, paper=tmp_path / "paper.csv")
 
 
+def test_a_speedup_row_says_on_which_days_its_cells_were_measured(results):
+    """A row of the kernels table can gather cells from runs days apart (a rerun at some M
+    only): its "measured" column names the span, so an older version's numbers show."""
+    write(results / "bench/kernels_x.csv",
+          [{"date": d, "card": CARD, "model": "qwen2.5-7b", "layer": layer, "op": "fwd",
+            "M": m, "speedup_vs_bf16": 1.0}
+           for d, layer, m in [("2026-01-01 10:00", "gate_up", 64), ("2026-01-03 09:00",
+                                                                    "gate_up", 128),
+                               ("2026-01-03 09:00", "down", 64)]])
+    report(results)
+    table = pd.read_csv(results / "tables/kernels.csv").set_index("layer")
+    assert table.loc["gate_up", "measured"] == "2026-01-01 .. 2026-01-03"
+    assert table.loc["down", "measured"] == "2026-01-03"
+
+
 def test_a_rerun_benchmark_replaces_its_rows_and_keeps_other_settings(tmp_path):
     """Rows of the same measurement (a rerun appends) keep the newest; a row that differs
     in any setting (here the generated length, or the fused engine) is its own."""
