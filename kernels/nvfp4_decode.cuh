@@ -18,10 +18,14 @@ struct alignas(16) Vec4 {
   uint32_t v[4];
 };
 
+// A shared-memory pointer as the 32-bit address PTX takes.
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
 __device__ __forceinline__ void copy_async(uint4* smem, const void* gmem, bool valid) {
-  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(gmem),
-               "r"(valid ? 16 : 0));  // 0 bytes read: the 16 are zero-filled
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_address(smem)),
+               "l"(gmem), "r"(valid ? 16 : 0));  // 0 bytes read: the 16 are zero-filled
 }
 
 // A word of codes -> four 16-bit pairs (L0 L1, L2 L3, H0 H1, H2 H3; nvfp4_layout's word
