@@ -508,7 +508,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
         ++tile;
         aim();
       } else {
-        from += lane < kRows / 16 ? 1024 : x_quad * 2;
+        if (bytes) from += lane < kRows / 16 ? 1024 : x_quad * 2;  // (lanes past 9 copy none)
 #pragma unroll
         for (int r = 0; r < kRows / 32; ++r) scale_from[r] += 8;
       }
