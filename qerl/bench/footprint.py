@@ -85,17 +85,13 @@ def measured_peaks(path: Path):
 def main(argv: list[str] | None = None) -> None:
     import pandas as pd
 
+    from qerl.bench.step import step_arguments
+
     parser = argparse.ArgumentParser(prog="qerl bench footprint", description=__doc__,
                                      formatter_class=HelpFormatter)
-    parser.add_argument("--out-dir", type=Path, default=Path("results/bench"))
-    parser.add_argument("--archs", default="qwen2.5-7b")
-    parser.add_argument("--methods", default=",".join(LORA_METHODS))
-    parser.add_argument("--prompts", type=int, default=2, help="P: prompts per step")
-    parser.add_argument("--generations", type=int, default=8, help="G: completions each")
-    parser.add_argument("--completion", type=int, default=2048, help="L: tokens each")
+    step_arguments(parser, prompts=2)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--micro-batch", default="8", help="one or more, e.g. 8,2,1")
-    parser.add_argument("--rank", type=int, default=32, help="LoRA rank")
     parser.add_argument("--measured", type=Path, help="a `qerl bench step` CSV to compare")
     args = parser.parse_args(argv)
     if args.measured is not None and not args.measured.is_file():

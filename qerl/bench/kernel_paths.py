@@ -18,6 +18,7 @@ from qerl.bench.kernels import (
     model_layers,
     record_sweep,
     rotating,
+    say_times,
     sweep_arguments,
     time_us,
 )
@@ -60,8 +61,7 @@ def measure(n: int, k: int, m_values, bandwidth: float) -> list[dict]:
                       "bf16_us": round(bf16, 2), "speedup_vs_bf16": round(bf16 / us, 3),
                       "floor_us": round(1e6 * n * k * 9 / 16 / bandwidth, 2)}
                      for path, us in timed.items()]
-            print(f"{n}x{k} {op} M={m}: bf16 {bf16:.1f} us, "
-                  + ", ".join(f"{path} {us:.1f}" for path, us in timed.items()), flush=True)
+            say_times(f"{n}x{k} {op} M={m}", bf16, timed)
     return rows
 
 

@@ -90,6 +90,12 @@ def record_sweep(path: Path, base: dict, grid, measure, **extra) -> None:
         torch.cuda.empty_cache()
 
 
+def say_times(label: str, bf16_us: float, timed: dict) -> None:
+    """One measured point of a sweep as a line: BF16's time, then each variant's (us)."""
+    print(f"{label}: bf16 {bf16_us:.1f} us, "
+          + ", ".join(f"{name} {us:.1f}" for name, us in timed.items()), flush=True)
+
+
 def copy_bandwidth() -> float:
     """Bytes read + written per second by a 1 GiB device-to-device copy."""
     import triton.testing

@@ -100,18 +100,24 @@ def gpu_env(gpus: list[str]) -> list[dict]:
     return envs
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="qerl bench step", description=__doc__,
-                                     formatter_class=HelpFormatter)
+def step_arguments(parser: argparse.ArgumentParser, prompts: int) -> None:
+    """The options naming the steps measured or modelled (``qerl bench step`` and
+    ``footprint``): where the CSV goes, the models, the methods, P x G x L and the rank."""
     parser.add_argument("--out-dir", type=Path, default=Path("results/bench"))
     parser.add_argument("--archs", default="qwen2.5-7b")
     parser.add_argument("--methods", default=",".join(LORA_METHODS))
-    parser.add_argument("--prompts", type=int, default=4, help="P: prompts per step")
+    parser.add_argument("--prompts", type=int, default=prompts, help="P: prompts per step")
     parser.add_argument("--generations", type=int, default=8, help="G: completions each")
     parser.add_argument("--completion", type=int, default=2048, help="L: tokens each")
+    parser.add_argument("--rank", type=int, default=32, help="LoRA rank")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="qerl bench step", description=__doc__,
+                                     formatter_class=HelpFormatter)
+    step_arguments(parser, prompts=4)
     parser.add_argument("--micro-batch", type=int, default=8,
                         help="completions per forward/backward")
-    parser.add_argument("--rank", type=int, default=32, help="LoRA rank")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing")
     parser.add_argument("--gpus", default="0",

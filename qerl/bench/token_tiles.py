@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from qerl.bench.kernels import model_layers, record_sweep, rotating, sweep_arguments, time_us
+from qerl.bench.kernels import (
+    model_layers,
+    record_sweep,
+    rotating,
+    say_times,
+    sweep_arguments,
+    time_us,
+)
 from qerl.formats import nvfp4
 from qerl.kernels import nvfp4_gemm as gemm
 from qerl.kernels import nvfp4_layout as layout
@@ -43,8 +50,7 @@ def measure(n: int, k: int, m_values) -> list[dict]:
         rows += [{"M": m, "N": n, "K": k, "token_tile": bm, "chosen": int(bm == chosen),
                   "us": round(us, 2), "bf16_us": round(bf16, 2),
                   "speedup_vs_bf16": round(bf16 / us, 3)} for bm, us in timed.items()]
-        print(f"{n}x{k} M={m}: bf16 {bf16:.1f} us, "
-              + ", ".join(f"{bm} {us:.1f}" for bm, us in timed.items()), flush=True)
+        say_times(f"{n}x{k} M={m}", bf16, timed)
     return rows
 
 
