@@ -271,7 +271,7 @@ def rollout(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
 def _day_span(days: pd.Series) -> str:
     """The days a row's measurements were taken: "2026-11-28", or "2026-11-26 .. 2026-11-28"
     where its cells come from runs days apart (older code in some)."""
-    days = days[days != "nan"]
+    days = days.dropna()
     if days.empty:
         return ""
     first, last = days.min(), days.max()
@@ -289,7 +289,8 @@ def _speedup_by_m(kind: str, index: list[str], method: str, doc: str):
         keys = ["card", "model", *index, "method"]
         wide = _wide(ours, keys, "M", "speedup_vs_bf16")
         if "date" in ours:  # a row's cells can come from runs of other versions: say when
-            days = ours.assign(day=ours["date"].astype(str).str[:10])
+            day = pd.to_datetime(ours["date"], errors="coerce").dt.strftime("%Y-%m-%d")
+            days = ours.assign(day=day)
             span = days.groupby(keys, dropna=False)["day"].agg(_day_span).rename("measured")
             wide = wide.merge(span.reset_index(), on=keys, how="left")
         columns = {"method": method, **{m: f"M={m}" for m in ours.M.unique()}}

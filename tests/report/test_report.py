@@ -266,11 +266,13 @@ def test_a_speedup_row_says_on_which_days_its_cells_were_measured(results):
             "M": m, "speedup_vs_bf16": 1.0}
            for d, layer, m in [("2026-01-01 10:00", "gate_up", 64), ("2026-01-03 09:00",
                                                                     "gate_up", 128),
-                               ("2026-01-03 09:00", "down", 64)]])
+                               ("2026-01-03 09:00", "down", 64), ("", "down", 128),
+                               ("", "o", 64)]])  # rows of CSVs from before the date column
     report(results)
-    table = pd.read_csv(results / "tables/kernels.csv").set_index("layer")
+    table = pd.read_csv(results / "tables/kernels.csv", keep_default_na=False).set_index("layer")
     assert table.loc["gate_up", "measured"] == "2026-01-01 .. 2026-01-03"
     assert table.loc["down", "measured"] == "2026-01-03"
+    assert table.loc["o", "measured"] == ""
 
 
 def test_a_rerun_benchmark_replaces_its_rows_and_keeps_other_settings(tmp_path):
