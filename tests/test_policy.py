@@ -160,10 +160,17 @@ def test_adapter_is_standard_peft_and_loads_on_the_bf16_base(tiny_model_dir, tmp
     assert not any("base_layer" in k for k in keys)
     bf16 = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
     peft = PeftModel.from_pretrained(bf16, tmp_path)
+    # The base's projections given the quantized weights' values: the same adapter on the
+    # same weights gives the same logits, to 16-bit rounding (~1-2% through this tiny random
+    # model; without the adapter 30-140%). Against the unquantized base they would differ
+    # by NVFP4's error, which here varies with the seed.
+    quantized = {n: m for n, m in policy.model.named_modules() if isinstance(m, NVFP4Linear)}
+    assert len(quantized) == 14
     with torch.no_grad():
+        for name, layer in quantized.items():
+            peft.get_submodule(name).weight.copy_(layer.dequantized_weight(torch.bfloat16))
         on_bf16 = peft(IDS).logits.float()
-    # Same adapter, base weights differing by NVFP4's quantization error only.
-    assert rel(logits(policy), on_bf16) < 0.25, f"seed {seed}"
+    assert rel(logits(policy), on_bf16) < 0.1, f"seed {seed}"
 
 
 def test_random_architecture_and_gguf_sources(monkeypatch):
