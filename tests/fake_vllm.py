@@ -32,6 +32,7 @@ class FakeLLM:
         from transformers import AutoConfig
 
         self.model_path, self.kwargs, self.calls = model, kwargs, []
+        self.prompts = []  # each generate's prompt token ids
         # What it was given, for tests to read after the files are gone.
         self.files = sorted(p.name for p in Path(model).iterdir())
         self.config_text = (Path(model) / "config.json").read_text()
@@ -50,6 +51,7 @@ class FakeLLM:
         each = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         assert len(each) == len(prompts)  # as vLLM checks
         self.calls.append(("generate", [s.kwargs for s in each], lora_request))
+        self.prompts.append([p["prompt_token_ids"] for p in prompts])
         outs = []
         for i, (prompt, sampling) in enumerate(zip(prompts, each, strict=True)):
             ids = [len(prompt["prompt_token_ids"]), 7, 9][: 2 + i % 2]

@@ -136,6 +136,15 @@ def test_layer_sweeps_record_each_layer_as_it_is_measured(tmp_path):
     assert list(rows.N) == [3584, 3584, 4608, 4608] and set(rows.copy_gbps) == {2.5}
 
 
+def assert_fresh_prompts(calls: list[list[list[int]]], batches: list[int], length: int):
+    """Three calls a batch (warm-up, first token, timed), each with prompts no other call
+    had: vLLM's prefix cache would otherwise skip the later calls' prefill."""
+    assert [len(c) for c in calls] == [b for b in batches for _ in range(3)]
+    assert all(len(p) == length for c in calls for p in c)
+    seen = [tuple(p) for c in calls for p in c]
+    assert len(set(seen)) == len(seen)
+
+
 def test_vllm_rows_serve_our_exports_with_and_without_an_adapter(fake_vllm, tmp_path):
     """vLLM's rollout rows (stand-in vLLM, CPU): the NVFP4 rows serve qerl's export, the BF16
     rows vLLM's dummy weights of the shape; rank 0 serves no adapter; every sequence is
@@ -157,11 +166,13 @@ def test_vllm_rows_serve_our_exports_with_and_without_an_adapter(fake_vllm, tmp_
         assert ("nvfp4" in with_lora.config_text) == (kind == "vllm-nvfp4")
         weights = [f for f in with_lora.files if f.endswith(".safetensors")]
         assert bool(weights) == (kind == "vllm-nvfp4")  # dummy BF16: the shape alone
-        # Each batch: a short warm-up (vLLM captured its graphs at start), then the timed
-        # call, every sequence asked for the full length.
+        # Each batch: a short warm-up (vLLM captured its graphs at start), a call to the
+        # first token, then the timed call, every sequence asked for the full length.
         lengths = [{(one["min_tokens"], one["max_tokens"]) for one in sampling}
                    for _, sampling, _ in with_lora.calls]
-        assert lengths == [{(WARM_UP_TOKENS, WARM_UP_TOKENS)}, {(40, 40)}] * 2
+        assert lengths == [{(WARM_UP_TOKENS, WARM_UP_TOKENS)}, {(1, 1)}, {(40, 40)}] * 2
+        assert_fresh_prompts(with_lora.prompts, [1, 3], 5)
+        assert all(r["first_token_s"] >= 0 and r["step_ms"] is not None for r in rows)
         _, sampling, request = with_lora.calls[-1]
         assert all(one["ignore_eos"] for one in sampling)
         assert request.lora_path.endswith("r16/adapter")
@@ -203,6 +214,33 @@ def test_the_rollout_benchmark_makes_its_vllm_workdir(tmp_path, monkeypatch):
     rollout.main(["--archs", "qwen2.5-7b", "--weights", "vllm-bf16", "--batches", "1",
                   "--prompt-lens", "8", "--workdir", str(work), "--out-dir", str(tmp_path)])
     assert made == [work]
+
+
+def test_engine_rows_time_the_first_token_and_a_step_on_fresh_prompts(monkeypatch):
+    """The engine's rollout rows (CPU, a tiny model): a warm-up, a call to the first token
+    and the timed call, each on prompts of its own; the row has the first token's time and
+    the decode step's (the rest of the timed call over its other tokens)."""
+    from qerl.bench import rollout
+    from qerl.rollout import Engine
+    from tests.rollout.test_engine import tiny
+
+    calls = []
+    generate = Engine.generate
+
+    def recorded(self, prompts, params):
+        calls.append((prompts, params.max_new_tokens))
+        return generate(self, prompts, params)
+
+    monkeypatch.setattr(Engine, "generate", recorded)
+    rows = rollout.bench_engine(tiny("qwen2", torch.float32, 0), [1, 3], [5], 6, fused=False)
+    assert [n for _, n in calls] == [6, 1, 6] * 2
+    assert_fresh_prompts([p for p, _ in calls], [1, 3], 5)
+    assert [(r["batch"], r["gen_len"]) for r in rows] == [(1, 6), (3, 6)]
+    for r in rows:
+        assert 0 < r["first_token_s"] < r["seconds"]
+        # From the unrounded times: the two roundings to 1 ms move it by up to 0.2 ms.
+        assert r["step_ms"] == pytest.approx(
+            (r["seconds"] - r["first_token_s"]) / 5 * 1e3, abs=0.21)
 
 
 def test_rollout_benchmarks_measure_the_batches_whose_cache_fits(monkeypatch, capsys):

@@ -14,7 +14,11 @@ Every sequence runs to gen_len (EOS ignored), sampling at temperature 1; tokens/
 generated tokens over the whole call (prefill included), after one warm-up call of the
 same length that captures the decode step's CUDA graphs (one per 256 slots of context, as
 a training run has them after its first rollout; vLLM's rows warm up with a short call, as
-vLLM captures its graphs when it starts). Hugging Face generate runs the bare BF16
+vLLM captures its graphs when it starts). A call that stops at the first token times the
+prefill (first_token_s); the rest of the whole call over its other tokens is the decode
+step (step_ms). Each call has prompts of its own, so that vLLM's prefix cache (on by
+default) holds none of them: every engine pays the prefill, as for an RL step's new
+prompts. Hugging Face generate runs the bare BF16
 model with its default (dynamic) cache, at --hf-gen-len tokens, batch sizes up to
 --hf-max-batch.
 """
@@ -24,11 +28,12 @@ from __future__ import annotations
 import argparse
 import gc
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from qerl.bench.throughput import largest_engine, random_prompts, throughput_row, timed
+from qerl.bench.throughput import call_prompts, largest_engine, throughput_row, timed
 from qerl.bench.vllm_rollout import KINDS as VLLM_KINDS
 from qerl.bench.vllm_rollout import bench_vllm
 from qerl.config import LoraSettings
@@ -47,11 +52,13 @@ def bench_engine(policy, batches, prompt_lens, gen_len, fused: bool) -> list[dic
     rows = []
     for prompt_len in prompt_lens:
         for batch in fit:
-            prompts = random_prompts(batch, prompt_len, vocab, seed=batch)
+            prompts = call_prompts(batch, prompt_len, vocab)
             params = SamplingParams(max_new_tokens=gen_len, ignore_eos=True, seed=0)
-            engine.generate(prompts, params)  # captures the step's graphs, one per bucket
-            seconds = timed(lambda p=prompts, s=params: engine.generate(p, s))
-            rows.append(throughput_row("", batch, prompt_len, gen_len, seconds))
+            engine.generate(prompts["warm-up"], params)  # captures the step's graphs
+            first = timed(lambda p=prompts, s=params: engine.generate(
+                p["first token"], replace(s, max_new_tokens=1)))
+            seconds = timed(lambda p=prompts, s=params: engine.generate(p["timed"], s))
+            rows.append(throughput_row("", batch, prompt_len, gen_len, seconds, first))
     return rows
 
 
@@ -59,18 +66,19 @@ def bench_hf(model, batches, prompt_lens, gen_len) -> list[dict]:
     rows = []
     for prompt_len in prompt_lens:
         for batch in batches:
-            ids = torch.tensor(random_prompts(batch, prompt_len, model.config.vocab_size, batch),
-                               device="cuda")
+            prompts = {call: torch.tensor(ids, device="cuda") for call, ids in
+                       call_prompts(batch, prompt_len, model.config.vocab_size).items()}
 
-            def run(ids=ids):
+            def run(call: str, tokens: int, prompts=prompts):
+                ids = prompts[call]
                 model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                               max_new_tokens=gen_len, min_new_tokens=gen_len,
-                               pad_token_id=0)
+                               max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0)
 
             with torch.no_grad():
-                model.generate(ids, max_new_tokens=2, pad_token_id=0)
-                seconds = timed(run)
-            rows.append(throughput_row("hf ", batch, prompt_len, gen_len, seconds))
+                run("warm-up", 2)
+                first = timed(lambda: run("first token", 1))
+                seconds = timed(lambda: run("timed", gen_len))
+            rows.append(throughput_row("hf ", batch, prompt_len, gen_len, seconds, first))
     return rows
 
 

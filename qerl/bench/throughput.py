@@ -1,6 +1,6 @@
-"""What the rollout benchmarks share: random prompts, an engine for the batches that fit, a
-timed call, and a row of generated tokens per second (prefill included) for one batch and
-length."""
+"""What the rollout benchmarks share: random prompts for each call of a row, an engine for
+the batches that fit, a timed call, and a row for one batch and length: generated tokens per
+second (prefill included), the time to the first token, and a decode step's time."""
 
 from __future__ import annotations
 
@@ -12,6 +12,17 @@ import torch
 def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, length), generator=gen).tolist()
+
+
+CALLS = ("warm-up", "first token", "timed")  # a row's calls, in order
+
+
+def call_prompts(batch: int, length: int, vocab: int) -> dict[str, list[list[int]]]:
+    """A row's prompts for each of its CALLS, each set drawn afresh: an engine that caches
+    prefixes (vLLM does by default) would find a repeated set in its cache and skip its
+    prefill, which a rollout of new prompts, as each RL step is, pays."""
+    return {call: random_prompts(batch, length, vocab, seed=batch * len(CALLS) + i)
+            for i, call in enumerate(CALLS)}
 
 
 def largest_engine(policy, batches: list[int], max_seq_len: int, **kwargs):
@@ -44,11 +55,19 @@ def timed(fn) -> float:
 
 
 def throughput_row(label: str, batch: int, prompt_len: int, gen_len: int, seconds: float,
-                   peak: bool = True) -> dict:
-    """A result; peak_gb (with ``peak``) is the most GPU memory this process allocated since
-    the last ``timed`` call began (model, KV cache and activations: what must fit)."""
+                   first_token_s: float, peak: bool = True) -> dict:
+    """A result: ``seconds`` for the whole call and ``first_token_s`` for one that stops at
+    its first token (prefill and one sample), whose difference over the other tokens is
+    the decode step (step_ms). peak_gb (with ``peak``) is the most GPU memory this process
+    allocated since the last ``timed`` call began (model, KV cache and activations: what
+    must fit)."""
+    step_ms = (seconds - first_token_s) / (gen_len - 1) * 1e3 if gen_len > 1 else None
     row = {"batch": batch, "prompt_len": prompt_len, "gen_len": gen_len,
            "seconds": round(seconds, 3), "tok_per_s": round(batch * gen_len / seconds, 1),
+           "first_token_s": round(first_token_s, 3),
+           "step_ms": None if step_ms is None else round(step_ms, 3),
            "peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2) if peak else None}
-    print(f"  {label}batch {batch} prompt {prompt_len}: {row['tok_per_s']} tok/s", flush=True)
+    step = "" if step_ms is None else f", {step_ms:.2f} ms a step"
+    print(f"  {label}batch {batch} prompt {prompt_len}: {row['tok_per_s']} tok/s (first "
+          f"token {first_token_s:.3f} s{step})", flush=True)
     return row

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from qerl.bench.throughput import random_prompts, throughput_row, timed
+from qerl.bench.throughput import call_prompts, throughput_row, timed
 from qerl.config import LoraSettings
 from qerl.errors import QerlError
 from qerl.export import export_for_vllm
@@ -69,26 +69,28 @@ def measure(base: Path, adapter: Path | None, rank: int, kind: str, batches: lis
     rows = []
     for prompt_len in prompt_lens:
         for batch in batches:
-            prompts = [{"prompt_token_ids": p}
-                       for p in random_prompts(batch, prompt_len, vocab, seed=batch)]
+            prompts = {call: [{"prompt_token_ids": p} for p in ids] for call, ids in
+                       call_prompts(batch, prompt_len, vocab).items()}
 
-            def run(tokens: int, prompts=prompts):
+            def run(call: str, tokens: int, prompts=prompts):
                 sampling = vllm.SamplingParams(n=1, temperature=1.0, max_tokens=tokens,
                                                min_tokens=tokens, ignore_eos=True,
                                                detokenize=False, seed=0)
-                outputs = llm.generate(prompts, sampling, lora_request=request, use_tqdm=False)
+                outputs = llm.generate(prompts[call], sampling, lora_request=request,
+                                       use_tqdm=False)
                 made = [len(o.outputs[0].token_ids) for o in outputs]
-                if made != [tokens] * len(prompts):
+                if made != [tokens] * len(prompts[call]):
                     raise VLLMBenchError(f"vLLM generated {sorted(set(made))} tokens a "
                                          f"sequence, not {tokens}: its rate would be wrong")
 
             # vLLM compiled and captured its decode graphs (every batch size up to
             # max_num_seqs) when it started: a short call warms this batch's prefill and
             # the adapter, where a full one would double the run's time for nothing.
-            run(min(WARM_UP_TOKENS, gen_len))
-            seconds = timed(lambda: run(gen_len))
+            run("warm-up", min(WARM_UP_TOKENS, gen_len))
+            first = timed(lambda: run("first token", 1))
+            seconds = timed(lambda: run("timed", gen_len))
             rows.append({"lora_rank": rank, **throughput_row(
-                "vllm ", batch, prompt_len, gen_len, seconds, peak=False)})
+                "vllm ", batch, prompt_len, gen_len, seconds, first, peak=False)})
     return rows
 
 
