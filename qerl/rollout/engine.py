@@ -10,7 +10,9 @@ place: there is no weight sync. A CUDA graph, captured once per batch size and 2
 bucket of context, holds pointers to those same tensors, so in-place optimizer updates are
 seen by the next replay; after replacing modules or tensors instead (``load_adapter``,
 ``model.to(...)``) call ``engine.reset()`` so that the graphs are captured again. A batch
-shrinks to its live sequences once most have stopped (COMPACT_WHEN).
+shrinks to its live sequences once most have stopped (COMPACT_WHEN). A prompt given several
+times (GRPO samples each of a step's prompts G times) is prefilled once, and its rows of
+the cache copied to its repeats.
 """
 
 from __future__ import annotations
@@ -94,12 +96,14 @@ class Engine:
     norms, rotary and LoRA as our kernels (see ``Decoder``). A step attends over the cache
     up to its slot rounded up to ``slot_bucket`` (see SLOT_BUCKET). ``compact`` lets a
     batch shrink to its live sequences as they stop (see COMPACT_WHEN). The prefill takes
-    whole sequences, at most ``prefill_tokens`` tokens a forward (see PREFILL_TOKENS)."""
+    whole sequences, at most ``prefill_tokens`` tokens a forward (see PREFILL_TOKENS);
+    ``share_prompts`` prefills a repeated prompt once for all its repeats."""
 
     def __init__(self, model, max_batch: int, max_seq_len: int,
                  kv_budget_bytes: int | None = None, cuda_graphs: bool = True,
                  fused: bool | None = None, slot_bucket: int = SLOT_BUCKET,
-                 compact: bool = True, prefill_tokens: int = PREFILL_TOKENS):
+                 compact: bool = True, prefill_tokens: int = PREFILL_TOKENS,
+                 share_prompts: bool = True):
         self.model = _base_model(model)
         config = self.model.config
         if config.model_type not in MODEL_TYPES:
@@ -133,7 +137,7 @@ class Engine:
                                else fused)
         self.cache = KVCache.allocate(config, max_batch, max_seq_len, self.dtype, self.device)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        self.compact = compact
+        self.compact, self.share_prompts = compact, share_prompts
         self._graphs: dict[tuple[int, int], tuple] = {}
 
     @classmethod
@@ -250,18 +254,28 @@ class Engine:
             return None
         size = 1 << max(count - 1, 0).bit_length()
         pick = torch.argsort((~live).to(torch.int8), stable=True)[:size]
+        self._move_rows(pick, slots)
+        return pick
+
+    def _move_rows(self, rows: torch.Tensor, slots: int) -> None:
+        """The cache's first len(rows) rows become its rows ``rows`` (their first ``slots``
+        slots and their padding), in that order; a row may be taken more than once."""
         for layer in range(self.cache.k.shape[0]):  # a layer at a time: little scratch
             for part in (self.cache.k, self.cache.v):
-                part[layer, :size, :, :slots] = part[layer, pick, :, :slots]
-        self.cache.pad[:size] = self.cache.pad[pick]
-        return pick
+                part[layer, :rows.numel(), :, :slots] = part[layer, rows, :, :slots]
+        self.cache.pad[:rows.numel()] = self.cache.pad[rows]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
         self._check(prompts, params)
         batch, longest = len(prompts), max(len(p) for p in prompts)
-        ids = torch.zeros((batch, longest), dtype=torch.long)
-        pad = torch.tensor([longest - len(p) for p in prompts])
-        for b, prompt in enumerate(prompts):
+        # Each distinct prompt's first row, and the one each row repeats.
+        firsts: dict[tuple[int, ...], int] = {}
+        repeats = [firsts.setdefault(tuple(p), len(firsts)) if self.share_prompts else b
+                   for b, p in enumerate(prompts)]
+        distinct = list(firsts) if self.share_prompts else prompts
+        ids = torch.zeros((len(distinct), longest), dtype=torch.long)
+        pad = torch.tensor([longest - len(p) for p in distinct])
+        for b, prompt in enumerate(distinct):
             ids[b, pad[b]:] = torch.tensor(prompt)
         generator = None
         if params.seed is not None:
@@ -270,6 +284,10 @@ class Engine:
                              device=self.device)
         with self._eval():
             logits = self._prefill(ids, pad)
+            if len(distinct) < batch:
+                rows = torch.tensor(repeats, device=self.device)
+                self._move_rows(rows, longest)
+                logits = logits[rows]
             # Per sequence of the call, written at each compaction and at the end; `order`
             # maps the batch's rows (and `done`, `length`, the steps since `first`) to them.
             out_tokens = torch.zeros((batch, params.max_new_tokens), dtype=torch.long,

@@ -314,3 +314,25 @@ def test_a_batch_shrinks_to_its_live_sequences_and_generates_the_same():
     for a, b in zip(shrunk.logprobs, whole.logprobs, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
     assert all(whole.finish_reasons[i] == "length" for i in keep)
+
+
+def test_a_repeated_prompt_is_prefilled_once_and_generates_as_if_it_were_not():
+    """GRPO gives each prompt G times: the engine prefills it once and copies its rows of
+    the cache to the repeats. Greedy and sampled rollouts (same seed) are those of an
+    engine that prefills every row, token for token, in any order of the repeats."""
+    seed = fresh_seed()
+    model = tiny("qwen2", torch.float32, seed)
+    a, b, c = PROMPTS
+    prompts = [a, a, a, b, c, b, a, c]
+    for params in (GREEDY, SamplingParams(max_new_tokens=12, temperature=1.0, seed=seed)):
+        each = Engine(model, max_batch=8, max_seq_len=40, share_prompts=False)
+        ref = each.generate(prompts, params)
+        engine = Engine(model, max_batch=8, max_seq_len=40)
+        prefilled, prefill = [], engine._prefill
+        engine._prefill = lambda ids, pad: (prefilled.append(ids.tolist()), prefill(ids, pad))[1]
+        out = engine.generate(prompts, params)
+        assert [len(rows) for rows in prefilled] == [3], seed
+        assert out.tokens == ref.tokens and out.finish_reasons == ref.finish_reasons, seed
+        for x, y in zip(out.logprobs, ref.logprobs, strict=True):
+            torch.testing.assert_close(torch.tensor(x), torch.tensor(y), rtol=0, atol=1e-5)
+    assert len({tuple(t) for t in out.tokens[:3]}) > 1  # sampled repeats part ways
