@@ -136,12 +136,16 @@ def test_layer_sweeps_record_each_layer_as_it_is_measured(tmp_path):
     assert list(rows.N) == [3584, 3584, 4608, 4608] and set(rows.copy_gbps) == {2.5}
 
 
-def assert_fresh_prompts(calls: list[list[list[int]]], batches: list[int], length: int):
+def assert_fresh_prompts(calls: list[list[list[int]]], batches: list[int], length: int,
+                         group: int = 1):
     """Three calls a batch (warm-up, first token, timed), each with prompts no other call
-    had: vLLM's prefix cache would otherwise skip the later calls' prefill."""
+    had (vLLM's prefix cache would otherwise skip the later calls' prefill), each prompt
+    ``group`` times in a row."""
     assert [len(c) for c in calls] == [b for b in batches for _ in range(3)]
     assert all(len(p) == length for c in calls for p in c)
-    seen = [tuple(p) for c in calls for p in c]
+    for c in calls:
+        assert all(c[i] == c[i - i % group] for i in range(len(c)))
+    seen = [tuple(p) for c in calls for p in c[::group]]
     assert len(set(seen)) == len(seen)
 
 
@@ -232,15 +236,30 @@ def test_engine_rows_time_the_first_token_and_a_step_on_fresh_prompts(monkeypatc
         return generate(self, prompts, params)
 
     monkeypatch.setattr(Engine, "generate", recorded)
-    rows = rollout.bench_engine(tiny("qwen2", torch.float32, 0), [1, 3], [5], 6, fused=False)
+    model = tiny("qwen2", torch.float32, 0)
+    rows = rollout.bench_engine(model, [1, 3], [5], 6, fused=False)
     assert [n for _, n in calls] == [6, 1, 6] * 2
     assert_fresh_prompts([p for p, _ in calls], [1, 3], 5)
     assert [(r["batch"], r["gen_len"]) for r in rows] == [(1, 6), (3, 6)]
+    calls.clear()
+    rollout.bench_engine(model, [2, 6], [5], 6, fused=False, group=2)  # GRPO-shaped
+    assert_fresh_prompts([p for p, _ in calls], [2, 6], 5, group=2)
+    with pytest.raises(ValueError, match="a batch of 3 is not a whole number of groups of 2"):
+        rollout.bench_engine(model, [3], [5], 6, fused=False, group=2)
     for r in rows:
         assert 0 < r["first_token_s"] < r["seconds"]
         # From the unrounded times: the two roundings to 1 ms move it by up to 0.2 ms.
         assert r["step_ms"] == pytest.approx(
             (r["seconds"] - r["first_token_s"]) / 5 * 1e3, abs=0.21)
+
+
+def test_the_rollout_benchmark_refuses_a_group_that_splits_a_batch(capsys):
+    """Said before anything runs (on this CPU-only machine too)."""
+    import qerl.bench.rollout as rollout
+
+    with pytest.raises(SystemExit):
+        rollout.main(["--batches", "8,12", "--group", "8"])
+    assert "--group 8 must divide every batch (8,12)" in capsys.readouterr().err
 
 
 def test_rollout_benchmarks_measure_the_batches_whose_cache_fits(monkeypatch, capsys):

@@ -8,6 +8,8 @@ and NVFP4 (qerl/bench/vllm_rollout.py), at Qwen2.5 shapes with random weights.
         --batches 1 --prompt-lens 256     # the paper's throughput-by-rank figure
     qerl bench rollout --archs qwen2.5-7b --weights bf16,nvfp4,vllm-bf16,vllm-nvfp4 \
         --ranks 32 --batches 1,32,128     # vLLM beside the engine (and without LoRA)
+    qerl bench rollout --archs qwen2.5-7b --weights bf16,nvfp4 --ranks 32 \
+        --batches 64,128,256 --group 8    # as GRPO samples: 8 completions of each prompt
     qerl report                           # its tables and figures, with the paper's numbers
 
 Every sequence runs to gen_len (EOS ignored), sampling at temperature 1; tokens/s counts
@@ -46,13 +48,14 @@ from qerl.rollout import SamplingParams
 WEIGHTS = {"bf16": "lora", "nvfp4": "qerl", "nf4": "qlora"}  # engine weights -> policy method
 
 
-def bench_engine(policy, batches, prompt_lens, gen_len, fused: bool) -> list[dict]:
+def bench_engine(policy, batches, prompt_lens, gen_len, fused: bool, group: int = 1
+                 ) -> list[dict]:
     vocab = policy.config.vocab_size
     engine, fit = largest_engine(policy, batches, max(prompt_lens) + gen_len, fused=fused)
     rows = []
     for prompt_len in prompt_lens:
         for batch in fit:
-            prompts = call_prompts(batch, prompt_len, vocab)
+            prompts = call_prompts(batch, prompt_len, vocab, group)
             params = SamplingParams(max_new_tokens=gen_len, ignore_eos=True, seed=0)
             engine.generate(prompts["warm-up"], params)  # captures the step's graphs
             first = timed(lambda p=prompts, s=params: engine.generate(
@@ -62,12 +65,13 @@ def bench_engine(policy, batches, prompt_lens, gen_len, fused: bool) -> list[dic
     return rows
 
 
-def bench_hf(model, batches, prompt_lens, gen_len) -> list[dict]:
+def bench_hf(model, batches, prompt_lens, gen_len, group: int = 1) -> list[dict]:
     rows = []
     for prompt_len in prompt_lens:
         for batch in batches:
             prompts = {call: torch.tensor(ids, device="cuda") for call, ids in
-                       call_prompts(batch, prompt_len, model.config.vocab_size).items()}
+                       call_prompts(batch, prompt_len, model.config.vocab_size,
+                                    group).items()}
 
             def run(call: str, tokens: int, prompts=prompts):
                 ids = prompts[call]
@@ -92,6 +96,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", default="1,16,32,64,128,256")
     parser.add_argument("--prompt-lens", default="256,1024")
     parser.add_argument("--gen-len", type=int, default=1024)
+    parser.add_argument("--group", type=int, default=1,
+                        help="G: a batch is batch / G prompts, each G times (GRPO's groups; "
+                             "the engine prefills a prompt once, vLLM caches it); 1: every "
+                             "prompt distinct")
     parser.add_argument("--hf-gen-len", type=int, default=256)
     parser.add_argument("--hf-max-batch", type=int, default=32)
     parser.add_argument("--fused", default="1",
@@ -106,12 +114,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="where the vllm-* rows' exports go while they run (default: "
                              "the system's temporary folder; a 32B NVFP4 one is ~20 GB)")
     args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.group < 1 or any(b % args.group for b in batches):
+        parser.error(f"--group {args.group} must divide every batch ({args.batches})")
     if not torch.cuda.is_available():
         raise SystemExit("qerl bench rollout: needs a CUDA GPU (none found)")
     if args.workdir is not None:  # made now, not found missing after the engine's rows
         args.workdir.mkdir(parents=True, exist_ok=True)
     base = provenance("cuda")
-    batches = [int(b) for b in args.batches.split(",")]
     prompt_lens = [int(p) for p in args.prompt_lens.split(",")]
     weights = args.weights.split(",")
     unknown = sorted(set(weights) - {*WEIGHTS, "hf-bf16", *VLLM_KINDS})
@@ -127,16 +137,17 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{arch} {kind} lora r{','.join(map(str, vllm_ranks))}", flush=True)
                 with tempfile.TemporaryDirectory(dir=args.workdir, prefix="qerl-vllm-") as work:
                     rows = bench_vllm(arch, kind, vllm_ranks, batches, prompt_lens,
-                                      args.gen_len, Path(work), memory=args.vllm_memory)
+                                      args.gen_len, Path(work), memory=args.vllm_memory,
+                                      group=args.group)
                 append_rows(path, [{**base, "model": arch, "weights": kind, "fused": None,
-                                    **row} for row in rows])
+                                    "group": args.group, **row} for row in rows])
                 continue
             for rank in [0] if kind == "hf-bf16" else ranks:
                 print(f"{arch} {kind} lora r{rank}", flush=True)
                 if kind == "hf-bf16":
                     policy = build_policy("full", arch=arch, device="cuda")
                     rows = bench_hf(policy.model, [b for b in batches if b <= args.hf_max_batch],
-                                    prompt_lens, args.hf_gen_len)
+                                    prompt_lens, args.hf_gen_len, args.group)
                     rows = [{"fused": 0, **row} for row in rows]
                 else:
                     policy = build_policy(WEIGHTS[kind], arch=arch, device="cuda",
@@ -145,9 +156,10 @@ def main(argv: list[str] | None = None) -> None:
                     for fused in (int(f) for f in args.fused.split(",")):
                         print(f" fused={fused}", flush=True)
                         rows += [{"fused": fused, **row} for row in bench_engine(
-                            policy, batches, prompt_lens, args.gen_len, bool(fused))]
+                            policy, batches, prompt_lens, args.gen_len, bool(fused),
+                            args.group)]
                 append_rows(path, [{**base, "model": arch, "weights": kind, "lora_rank": rank,
-                                    **row} for row in rows])
+                                    "group": args.group, **row} for row in rows])
                 del policy
                 gc.collect()
                 torch.cuda.empty_cache()

@@ -17,11 +17,18 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[
 CALLS = ("warm-up", "first token", "timed")  # a row's calls, in order
 
 
-def call_prompts(batch: int, length: int, vocab: int) -> dict[str, list[list[int]]]:
-    """A row's prompts for each of its CALLS, each set drawn afresh: an engine that caches
-    prefixes (vLLM does by default) would find a repeated set in its cache and skip its
-    prefill, which a rollout of new prompts, as each RL step is, pays."""
-    return {call: random_prompts(batch, length, vocab, seed=batch * len(CALLS) + i)
+def call_prompts(batch: int, length: int, vocab: int, group: int = 1
+                 ) -> dict[str, list[list[int]]]:
+    """A row's prompts for each of its CALLS: batch / ``group`` prompts, each ``group``
+    times in a row (GRPO's completions of a prompt, as TRL's sampler orders them). Each
+    call's set is drawn afresh: an engine that caches prefixes (vLLM does by default) would
+    find a repeated set in its cache and skip its prefill, which a rollout of new prompts,
+    as each RL step is, pays."""
+    if group < 1 or batch % group:
+        raise ValueError(f"a batch of {batch} is not a whole number of groups of {group}")
+    return {call: [p for p in random_prompts(batch // group, length, vocab,
+                                             seed=batch * len(CALLS) + i)
+                   for _ in range(group)]
             for i, call in enumerate(CALLS)}
 
 

@@ -51,7 +51,8 @@ def export(arch: str, kind: str, rank: int, out: Path, device: str) -> Path:
 
 
 def measure(base: Path, adapter: Path | None, rank: int, kind: str, batches: list[int],
-            prompt_lens: list[int], gen_len: int, vocab: int, memory: float) -> list[dict]:
+            prompt_lens: list[int], gen_len: int, vocab: int, memory: float,
+            group: int = 1) -> list[dict]:
     """Rows of tokens/s for each prompt length and batch, one vLLM engine for them all
     (``adapter``, of rank ``rank``, None: none)."""
     import vllm
@@ -70,7 +71,7 @@ def measure(base: Path, adapter: Path | None, rank: int, kind: str, batches: lis
     for prompt_len in prompt_lens:
         for batch in batches:
             prompts = {call: [{"prompt_token_ids": p} for p in ids] for call, ids in
-                       call_prompts(batch, prompt_len, vocab).items()}
+                       call_prompts(batch, prompt_len, vocab, group).items()}
 
             def run(call: str, tokens: int, prompts=prompts):
                 sampling = vllm.SamplingParams(n=1, temperature=1.0, max_tokens=tokens,
@@ -103,7 +104,7 @@ def _child(results, *args) -> None:
 
 def bench_vllm(arch: str, kind: str, ranks: list[int], batches: list[int],
                prompt_lens: list[int], gen_len: int, workdir: Path, memory: float = 0.85,
-               device: str = "cuda", isolate: bool = True) -> list[dict]:
+               device: str = "cuda", isolate: bool = True, group: int = 1) -> list[dict]:
     """vLLM's rows for one architecture and weights kind, each LoRA rank in ``ranks`` (0: no
     adapter) served by an engine of its own (in a process of its own unless ``isolate`` is
     off), its exports under ``workdir`` removed after."""
@@ -124,7 +125,7 @@ def bench_vllm(arch: str, kind: str, ranks: list[int], batches: list[int],
             if not (where / "base").is_dir():
                 export(arch, kind, rank or adapters[0], where, device)
             args = (where / "base", where / "adapter" if rank else None, rank, kind,
-                    batches, prompt_lens, gen_len, vocab, memory)
+                    batches, prompt_lens, gen_len, vocab, memory, group)
             rows += _isolated(args) if isolate else measure(*args)
     finally:
         for where in out.values():

@@ -164,8 +164,9 @@ class Kind:
     """One kind of result: where its files are (``patterns``), how a file becomes rows
     (``reader``), the columns naming its method and model, the columns that set the
     measurement (``setting``, joined into ``bench``, or ``label`` from a row), those that
-    hold its numbers (``metrics``, names or prefixes), and a column computed over the
-    whole frame (``derive``)."""
+    hold its numbers (``metrics``, names or prefixes), a column computed over the whole
+    frame (``derive``), and the value a setting had before its column was written
+    (``defaults``)."""
 
     patterns: tuple[str, ...]
     reader: Callable = _csv
@@ -178,13 +179,16 @@ class Kind:
     prefixed: bool = False  # metrics are column-name prefixes
     long: bool = False  # rows carry a metric name and its value
     derive: Callable | None = field(default=None)
+    defaults: dict = field(default_factory=dict)
 
 
-def _setting_label(columns: tuple[str, ...]):
-    """``a=1,b=2`` of the setting columns a row has (a file older than a column has none)."""
+def _setting_label(columns: tuple[str, ...], defaults: dict):
+    """``a=1,b=2`` of the setting columns a row has (a file older than a column has none),
+    but those at their ``defaults``: a row's key stays what it was before the column."""
     def label(row) -> str:
         return ",".join(f"{c}={_plain(row[c])}" for c in columns
-                        if c in row and pd.notna(row[c]))
+                        if c in row and pd.notna(row[c])
+                        and not (c in defaults and row[c] == defaults[c]))
     return label
 
 
@@ -218,8 +222,10 @@ KINDS = {
                     setting=("prompts", "tokens", "sigma"),
                     metrics=("own_entropy", "shared_entropy", "shared_minus_bf16")),
     "rollout": Kind(("bench/**/rollout_*.csv",), method="weights",
-                    setting=("lora_rank", "batch", "prompt_len", "gen_len", "fused"),
-                    metrics=("tok_per_s", "peak_gb")),
+                    setting=("lora_rank", "batch", "group", "prompt_len", "gen_len",
+                             "fused"),
+                    metrics=("tok_per_s", "first_token_s", "step_ms", "peak_gb"),
+                    defaults={"group": 1}),  # every prompt distinct before --group
     "kernels": Kind(("bench/**/kernels_*.csv",), method="op", setting=("layer", "M"),
                     metrics=("speedup_vs_bf16", "ours_us", "bf16_us", "triton_fused_us")),
     "kernel_paths": Kind(("bench/**/kernel_paths_*.csv",), _model_layer, method="path",
@@ -288,9 +294,11 @@ def read(name: str, paths: list[Path]) -> tuple[pd.DataFrame, set[Path]]:
     for column in ("card", *kind.setting):  # a file older than the column lacks it
         if column not in frame:
             frame[column] = None
+        if column in kind.defaults:
+            frame[column] = frame[column].fillna(kind.defaults[column])
     if kind.measured:
         frame["recipe"] = frame["card"]
-    label = kind.label or _setting_label(kind.setting)
+    label = kind.label or _setting_label(kind.setting, kind.defaults)
     frame["bench"] = [label(row) for row in frame.to_dict("records")]
     identity = [*IDENTITY, "metric"] if kind.long else IDENTITY
     frame = frame.drop_duplicates(identity, keep="last").reset_index(drop=True)

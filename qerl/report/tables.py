@@ -265,7 +265,7 @@ def rollout(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
         ratios.append(qerl / lora if qerl and lora else None)
     wide["paper qerl/lora"] = ratios
     return _sorted(wide, ["card", "model", "fused", "gen_len", "prompt_len", "lora_rank",
-                          "batch"])
+                          "group", "batch"])
 
 
 def _day_span(days: pd.Series) -> str:

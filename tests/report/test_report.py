@@ -144,6 +144,29 @@ def test_a_ratio_pairs_rows_of_one_run_only(results):
     assert table.loc[128, "nvfp4/vllm"] == pytest.approx(1.25)  # half an hour apart
 
 
+def test_rollout_rows_from_before_the_group_column_are_groups_of_one(results):
+    """Rows written before --group existed had every prompt distinct: they are group 1 (their
+    keys unchanged), and a newer group-1 row of the same setting replaces them; a
+    GRPO-shaped row (group 8) is a setting of its own."""
+    def row(group, t, date):
+        one = {"card": CARD, "model": "qwen2.5-7b", "weights": "bf16", "lora_rank": 32,
+               "batch": 64, "prompt_len": 256, "gen_len": 1024, "fused": 1, "date": date,
+               "tok_per_s": t}
+        return one if group is None else {**one, "group": group}
+
+    write(results / "bench/rollout/rollout_x.csv", [row(None, 1000.0, "2026-01-01 10:00"),
+                                                    row(1, 1100.0, "2026-01-02 10:00"),
+                                                    row(8, 1300.0, "2026-01-02 10:10")])
+    report(results)
+    table = pd.read_csv(results / "tables/rollout.csv")
+    table = table[table.model == "qwen2.5-7b"].set_index("group")
+    assert sorted(table.index) == [1, 8]
+    assert table.loc[1, "bf16"] == 1100.0 and table.loc[8, "bf16"] == 1300.0
+    keys = pd.read_csv(results / "tables/values.csv").key
+    assert any("batch=64,group=8,prompt_len=256" in k for k in keys)
+    assert not any("group=1" in k for k in keys)
+
+
 def test_tables_put_the_papers_numbers_beside_ours(results):
     (results / "bench/notes.txt").write_text("a file of no kind the report knows")
     (results / "run.json").write_text("{}")  # the workflow's record of the run

@@ -329,7 +329,8 @@ def test_a_repeated_prompt_is_prefilled_once_and_generates_as_if_it_were_not():
         ref = each.generate(prompts, params)
         engine = Engine(model, max_batch=8, max_seq_len=40)
         prefilled, prefill = [], engine._prefill
-        engine._prefill = lambda ids, pad: (prefilled.append(ids.tolist()), prefill(ids, pad))[1]
+        engine._prefill = lambda ids, pad, seen=prefilled, run=prefill: (
+            seen.append(ids.tolist()), run(ids, pad))[1]
         out = engine.generate(prompts, params)
         assert [len(rows) for rows in prefilled] == [3], seed
         assert out.tokens == ref.tokens and out.finish_reasons == ref.finish_reasons, seed
