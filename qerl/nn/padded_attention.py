@@ -12,7 +12,8 @@ get other values, which nothing reads.
 
 Registered with transformers as the attention implementation "qerl_sdpa", with the
 "sdpa" mask. Any other call (a KV cache longer than the queries, a mask that is not causal
-over one run per row, sliding windows, a position bias) goes to the stock "sdpa".
+over one run per row, sliding windows, a position bias) goes to the stock "sdpa". The
+rollout engine's prefill calls ``causal_over_runs`` itself, with the padding it knows.
 """
 
 from __future__ import annotations
@@ -73,16 +74,28 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, is_causal=is_causal,
                                       **kwargs)
-    if any_shift:
+    out = causal_over_runs(query, key, value, shifts if any_shift else None, scaling, dropout)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def causal_over_runs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     shifts: torch.Tensor | None, scale: float | None, dropout: float = 0.0
+                     ) -> torch.Tensor:
+    """Causal attention [B, H, T, D] of rows whose real tokens are one run from their left
+    padding ``shifts`` [B] (None: none) to the right padding, if any: rotated left by their
+    padding, one mask-free causal SDPA, rotated back (the module docstring). Padding
+    queries get finite values that nothing should read."""
+    t = query.shape[2]
+    if shifts is not None:
         pos = torch.arange(t, device=query.device)
         take = (pos[None, :] + shifts[:, None]) % t
         query, key, value = (_rotated(x, take) for x in (query, key, value))
-    out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling,
+    out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scale,
                                          is_causal=True,
                                          enable_gqa=query.shape[1] != key.shape[1])
-    if any_shift:
+    if shifts is not None:
         out = _rotated(out, (pos[None, :] - shifts[:, None]) % t)
-    return out.transpose(1, 2).contiguous(), None
+    return out
 
 
 def use_padded_attention(model) -> None:

@@ -9,7 +9,9 @@ decode step has static shapes and can be replayed from a CUDA graph.
 Batches are left-padded to a common prompt length P: slot s of sequence b holds its token
 at position s - pad[b]; decode step t writes slot P + t for every sequence. Attention sees
 slots pad[b] <= s <= the current one (as Hugging Face's generate does with an attention
-mask, whose position ids are the same).
+mask, whose position ids are the same). The prefill (a forward of several tokens, from slot
+0) attends over its own tokens with qerl/nn/padded_attention.py's mask-free causal SDPA,
+which keeps SDPA's flash kernels that a padding mask would cost.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from qerl.kernels import decode_attention
 from qerl.kernels.rmsnorm import rms_norm
 from qerl.kernels.rotary_cache import reference_rotary_into_cache, rotary_into_cache
 from qerl.nn.liger import is_rms_norm, is_swiglu_mlp
+from qerl.nn.padded_attention import causal_over_runs
 from qerl.noise import output_in_input_dtype
 from qerl.rollout.projections import merge_dense, project
 
@@ -67,7 +70,8 @@ def fused_norm(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
 
 class Decoder(nn.Module):
     """``forward(ids [B, T], first_slot)`` -> logits of the last position [B, V], writing
-    slots first_slot .. first_slot + T - 1 of the cache.
+    slots first_slot .. first_slot + T - 1 of the cache: a prefill (T > 1, first_slot 0)
+    or a decode step (T = 1).
 
     ``fused`` (on CUDA, or under Triton's interpreter) runs the glue between the matmuls
     as our kernels — RMSNorm with the residual add, rotary with the cache write, LoRA in
@@ -107,19 +111,21 @@ class Decoder(nn.Module):
         slots = first_slot + torch.arange(steps, device=ids.device)  # [T]
         positions = (slots[None, :] - cache.pad[:, None]).clamp_min(0)  # [B, T]
         visible = None  # a decode step's fused attention reads pad and the slot itself
-        if not (self.fused and steps == 1 and decode_attention.supports(self.head_dim)):
+        shifts = None  # a prefill's: each row's left padding, None if no row has any
+        if steps > 1:
+            shifts = cache.pad if bool(cache.pad.any()) else None
+        elif not (self.fused and decode_attention.supports(self.head_dim)):
             all_slots = torch.arange(cache.k.shape[3], device=ids.device)
-            # [B, 1, T, S]: a query at slot q sees slots pad <= s <= q. A padding query sees
-            # itself, so that no row is empty (an empty row is NaN in attention, and NaN
-            # values in the cache would poison later queries even behind the mask).
+            # [B, 1, 1, S]: the step's query at slot q sees slots pad <= s <= q.
             s, q = all_slots[None, None, :], slots[None, :, None]
-            visible = ((s <= q) & ((s >= cache.pad[:, None, None]) | (s == q)))[:, None]
+            visible = ((s <= q) & (s >= cache.pad[:, None, None]))[:, None]
         h = self.embed(ids)
         cos, sin = self.rotary(h, positions)
         delta = None  # the last block's output, added to h by the next norm
         for i, layer in enumerate(self.layers):
             x, h = self._norm(layer.input_layernorm, h, delta)
-            attn = self._attention(layer.self_attn, x, i, slots, visible, cos, sin, cache)
+            attn = self._attention(layer.self_attn, x, i, slots, visible, shifts, cos, sin,
+                                   cache)
             x, h = self._norm(layer.post_attention_layernorm, h, attn)
             delta = self._mlp(layer.mlp, x)
         x, _ = self._norm(self.norm, h[:, -1:], delta[:, -1:])
@@ -147,7 +153,7 @@ class Decoder(nn.Module):
             act = mlp.act_fn(gate) * up
         return self._project([mlp.down_proj], act)[0]
 
-    def _attention(self, attn, x, i, slots, visible, cos, sin, cache):
+    def _attention(self, attn, x, i, slots, visible, shifts, cos, sin, cache):
         batch, steps, _ = x.shape
         q, k, v = self._project([attn.q_proj, attn.k_proj, attn.v_proj], x)
         k, v = k.to(cache.k.dtype), v.to(cache.v.dtype)
@@ -156,7 +162,10 @@ class Decoder(nn.Module):
         else:
             q = reference_rotary_into_cache(q, k, v, cos, sin, cache.k[i], cache.v[i], slots,
                                             self._apply_rotary)
-        if visible is None:
+        if steps > 1:  # a prefill: the keys are its own tokens'
+            out = causal_over_runs(q, cache.k[i][:, :, :steps], cache.v[i][:, :, :steps],
+                                   shifts, self.scaling)
+        elif visible is None:
             out = decode_attention.decode_attention(q, cache.k[i], cache.v[i], cache.pad,
                                                     slots[0], self.scaling)
         else:
