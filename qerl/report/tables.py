@@ -239,6 +239,12 @@ def entropy(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
                 ].rename(columns={"method": "weights"})
 
 
+def _beside_engine(rows: pd.DataFrame) -> pd.DataFrame:
+    """vLLM's rows (no fused setting) beside the engine's as it runs (fused)."""
+    vllm = rows.method.str.startswith("vllm-")
+    return rows.assign(fused=rows.fused.where(~vllm, 1))
+
+
 def rollout(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
     """Rollout tokens/s by weights (engine; hf-bf16 is Hugging Face generate, vllm-* vLLM),
     NVFP4 over BF16 and the engine over vLLM on the same weights, each from one run, and the
@@ -246,9 +252,7 @@ def rollout(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
     ours = frames.get("rollout")
     if ours is None:
         return pd.DataFrame()
-    vllm = ours.method.str.startswith("vllm-")
-    ours = ours.assign(fused=ours.fused.where(~vllm, 1))  # beside the engine as it runs
-    wide = _by_weights(ours, "rollout", "tok_per_s", "nvfp4/bf16",
+    wide = _by_weights(_beside_engine(ours), "rollout", "tok_per_s", "nvfp4/bf16",
                        more=[(f"{w}/vllm", w, f"vllm-{w}") for w in ("bf16", "nvfp4")])
     ref = paper[paper.metric == "rollout_throughput"]
     by_rank = {(paper_model(r.model), r.method, r.lora_rank): r.value for r in ref.itertuples()}
@@ -266,6 +270,24 @@ def rollout(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
     wide["paper qerl/lora"] = ratios
     return _sorted(wide, ["card", "model", "fused", "gen_len", "prompt_len", "lora_rank",
                           "group", "batch"])
+
+
+def rollout_phases(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Where each rollout row's time goes, by weights: the time to the first token (the
+    prefill and one sample, s) and a decode step's (ms), for the rows that measured them."""
+    ours = frames.get("rollout")
+    if ours is None or "first_token_s" not in ours:
+        return pd.DataFrame()
+    ours = _beside_engine(ours[ours.first_token_s.notna()])
+    if ours.empty:
+        return pd.DataFrame()
+    index = ["card", "model", *KINDS["rollout"].setting]
+    phases = [_wide(ours, index, "method", value).rename(
+        columns=lambda c, unit=unit: c if c in index else f"{c} {unit}")
+        for value, unit in (("first_token_s", "first token s"), ("step_ms", "step ms"))]
+    return _sorted(phases[0].merge(phases[1], on=index),
+                   ["card", "model", "fused", "gen_len", "prompt_len", "lora_rank", "group",
+                    "batch"])
 
 
 def _day_span(days: pd.Series) -> str:
@@ -416,7 +438,8 @@ def headline(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
 TABLES = {
     "headline": headline, "accuracy": accuracy, "external": external, "training": training,
     "science": science, "science_contrasts": science_contrasts,
-    "entropy": entropy, "rollout": rollout, "kernels": kernels, "kernel_paths": kernel_paths,
+    "entropy": entropy, "rollout": rollout, "rollout_phases": rollout_phases,
+    "kernels": kernels, "kernel_paths": kernel_paths,
     "token_tiles": token_tiles,
     "decode_step": decode_step, "efficiency": efficiency,
     **{kind: listing(kind) for kind in ("memory", "quantize", "fidelity", "footprint")},

@@ -167,6 +167,27 @@ def test_rollout_rows_from_before_the_group_column_are_groups_of_one(results):
     assert not any("group=1" in k for k in keys)
 
 
+def test_the_rollout_phases_table_splits_each_rows_time(results):
+    """Each engine's time to the first token and decode step, vLLM's beside the engine's
+    (it has no fused setting); rows from before the phases were timed are left out."""
+    rows = [{"card": CARD, "model": "qwen2.5-7b", "weights": w, "lora_rank": 32, "batch": b,
+             "group": 1, "prompt_len": 256, "gen_len": 1024, "fused": f,
+             "date": "2026-01-01 10:00", "tok_per_s": 1000.0, "first_token_s": first,
+             "step_ms": step}
+            for w, b, f, first, step in [("bf16", 16, 1, None, None),
+                                         ("bf16", 32, 1, 0.33, 5.7),
+                                         ("nvfp4", 32, 1, 0.34, 5.3),
+                                         ("vllm-nvfp4", 32, None, 0.2, 5.4)]]
+    write(results / "bench/rollout/rollout_phases.csv", rows)
+    report(results)
+    table = pd.read_csv(results / "tables/rollout_phases.csv")
+    table = table[table.model == "qwen2.5-7b"]
+    assert list(table.batch) == [32] and list(table.fused) == [1]
+    one = table.iloc[0]
+    assert (one["bf16 first token s"], one["nvfp4 step ms"]) == (0.33, 5.3)
+    assert (one["vllm-nvfp4 first token s"], one["vllm-nvfp4 step ms"]) == (0.2, 5.4)
+
+
 def test_tables_put_the_papers_numbers_beside_ours(results):
     (results / "bench/notes.txt").write_text("a file of no kind the report knows")
     (results / "run.json").write_text("{}")  # the workflow's record of the run
