@@ -239,6 +239,11 @@ def entropy(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
                 ].rename(columns={"method": "weights"})
 
 
+# The rollout tables' rows: the engine's settings, then LoRA rank, group and batch.
+ROLLOUT_ORDER = ["card", "model", "fused", "gen_len", "prompt_len", "lora_rank", "group",
+                 "batch"]
+
+
 def _beside_engine(rows: pd.DataFrame) -> pd.DataFrame:
     """vLLM's rows (no fused setting) beside the engine's as it runs (fused)."""
     vllm = rows.method.str.startswith("vllm-")
@@ -268,8 +273,7 @@ def rollout(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
         qerl, lora = theirs(r.model, "qerl", r.lora_rank), theirs(r.model, "lora", r.lora_rank)
         ratios.append(qerl / lora if qerl and lora else None)
     wide["paper qerl/lora"] = ratios
-    return _sorted(wide, ["card", "model", "fused", "gen_len", "prompt_len", "lora_rank",
-                          "group", "batch"])
+    return _sorted(wide, ROLLOUT_ORDER)
 
 
 def rollout_phases(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -285,9 +289,7 @@ def rollout_phases(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFr
     phases = [_wide(ours, index, "method", value).rename(
         columns=lambda c, unit=unit: c if c in index else f"{c} {unit}")
         for value, unit in (("first_token_s", "first token s"), ("step_ms", "step ms"))]
-    return _sorted(phases[0].merge(phases[1], on=index),
-                   ["card", "model", "fused", "gen_len", "prompt_len", "lora_rank", "group",
-                    "batch"])
+    return _sorted(phases[0].merge(phases[1], on=index), ROLLOUT_ORDER)
 
 
 def _day_span(days: pd.Series) -> str:

@@ -268,10 +268,10 @@ class Engine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
         self._check(prompts, params)
         batch, longest = len(prompts), max(len(p) for p in prompts)
-        # Each distinct prompt's first row, and the one each row repeats.
+        # Each distinct prompt numbered by its first row, and the one each row repeats
+        # (prefilled once each with share_prompts, else every row is).
         firsts: dict[tuple[int, ...], int] = {}
-        repeats = [firsts.setdefault(tuple(p), len(firsts)) if self.share_prompts else b
-                   for b, p in enumerate(prompts)]
+        repeats = [firsts.setdefault(tuple(p), len(firsts)) for p in prompts]
         distinct = list(firsts) if self.share_prompts else prompts
         ids = torch.zeros((len(distinct), longest), dtype=torch.long)
         pad = torch.tensor([longest - len(p) for p in distinct])
