@@ -402,8 +402,9 @@ def headline(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
     if not roll.empty:
         chosen = roll[(roll[list(HEADLINE_ROLLOUT)] == pd.Series(HEADLINE_ROLLOUT)).all(axis=1)]
         for _, r in chosen.iterrows():
-            setting = (f"{r.model}, LoRA r{r.lora_rank:g}, batch {r.batch:g}, prompt "
-                       f"{r.prompt_len:g} / {r.gen_len:g} generated")
+            setting = (f"{r.model}, LoRA r{r.lora_rank:g}, batch {r.batch:g}"
+                       + (f" ({r.group:g} samples a prompt)" if r.group != 1 else "")
+                       + f", prompt {r.prompt_len:g} / {r.gen_len:g} generated")
             add("rollout tokens/s, NVFP4 / BF16", r.card, setting, r.get("nvfp4/bf16"), "x",
                 "rollout.md", r.get("paper qerl/lora"))
             for weights, name in (("nvfp4", "NVFP4"), ("bf16", "BF16")):
