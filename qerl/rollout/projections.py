@@ -10,8 +10,9 @@ buffer (merge_dense). The weights are read from the modules at every call, so th
 path sees the live adapter like PEFT's forward does.
 
 Anything else — a LoRA variant (DoRA), several or disabled adapters, a merged layer,
-ranks that differ inside a group, more rows than the kernels hold — runs the modules' own
-forward, which is the reference these kernels are tested against.
+ranks that differ inside a group — runs the modules' own forward, which is the reference
+these kernels are tested against. More rows than the kernels hold (a prefill) run as GEMMs,
+the adapters as the training forward computes them under autocast.
 """
 
 from __future__ import annotations
@@ -49,8 +50,6 @@ def lora_parts(module: nn.Module) -> LoraParts | None:
     if name in module.lora_variant or module.lora_bias.get(name, False):
         return None
     a, b = module.lora_A[name].weight, module.lora_B[name].weight
-    if a.shape[0] > lora_decode.MAX_RANK or a.dtype != b.dtype:
-        return None
     if module.training and not isinstance(module.lora_dropout[name], nn.Identity):
         return None
     return LoraParts(module.base_layer, a, b, float(module.scaling[name]))
@@ -159,18 +158,42 @@ def _shrink_beside_bases(parts: list[LoraParts], x2: torch.Tensor
     return xa, bases
 
 
+def _many_rows(parts: list[LoraParts], x2: torch.Tensor) -> list[torch.Tensor]:
+    """A group over more rows than the decode kernels take (a prefill): the bases as one
+    merged GEMM or their own forward, one shrink GEMM for the group, and each adapter's
+    expand a GEMM that adds into its base's output in place. The adapters' operands are in
+    x2's dtype with fp32 accumulation, as the training forward computes them under autocast
+    (qerl/nn/lora_linear.py); PEFT's own forward would cast x to the fp32 adapters and
+    pass over the [rows, features] outputs three more times, which took half of a 7B
+    prefill's kernel time."""
+    bases = [p.base for p in parts]
+    outs = _dense_group(bases, x2) or [base(x2) for base in bases]
+    xa = F.linear(x2, torch.cat([p.a for p in parts]).to(x2.dtype))
+    first = 0
+    for out, p in zip(outs, parts, strict=True):
+        rank = p.a.shape[0]
+        out.addmm_(xa[:, first:first + rank], p.b.to(out.dtype).t(), alpha=p.scaling)
+        first += rank
+    return outs
+
+
 def project(modules: list[nn.Module], x2: torch.Tensor, silu_mul: bool = False
             ) -> list[torch.Tensor]:
-    """Each module applied to the rows x2 [M, K]; with ``silu_mul`` (gate and up) the one
-    output silu(gate(x2)) * up(x2)."""
+    """Each module applied to the rows x2 [M, K] (inference only: outputs are written in
+    place); with ``silu_mul`` (gate and up) the one output silu(gate(x2)) * up(x2)."""
     parts = [lora_parts(m) for m in modules]
+    vanilla = all(p is not None for p in parts)
     fusable = (
         x2.shape[0] <= lora_decode.MAX_ROWS
         and (x2.is_cuda or interpreting())
-        and all(p is not None for p in parts)
-        and len({(p.a.shape, p.a.dtype) for p in parts}) == 1
+        and vanilla
+        and len({(p.a.shape, p.a.dtype, p.b.dtype) for p in parts}) == 1
+        and parts[0].a.shape[0] <= lora_decode.MAX_RANK
+        and parts[0].a.dtype == parts[0].b.dtype
     )
-    if not fusable:
+    if vanilla and x2.shape[0] > lora_decode.MAX_ROWS:
+        outs = _many_rows(parts, x2)
+    elif not fusable:
         outs = _dense_group(modules, x2) or [m(x2) for m in modules]
     else:
         x2 = x2.contiguous()

@@ -285,6 +285,33 @@ def test_fused_step_equals_the_models_own_modules(method, tiny_model_dir, plain_
                                    atol=0.1), seed
 
 
+@pytest.mark.slow
+def test_a_prefill_past_the_decode_kernels_rows_equals_the_models_own_modules(
+        tiny_model_dir, monkeypatch):
+    """A prefill forward of more rows than the decode kernels take (their limit lowered
+    here, so that the tiny prompts cross it) runs the adapters as GEMMs
+    (qerl/rollout/projections.py): on fp32 LoRA the same tokens and log-probabilities as
+    PEFT's own forward."""
+    from qerl.kernels import lora_decode
+    from qerl.rollout import projections
+
+    monkeypatch.setattr(lora_decode, "MAX_ROWS", 8)
+    groups = []
+    many_rows = projections._many_rows
+    monkeypatch.setattr(projections, "_many_rows",
+                        lambda parts, x2: groups.append(len(parts)) or many_rows(parts, x2))
+    seed = fresh_seed()
+    policy = build_policy("lora", tiny_model_dir, device=DEVICE)
+    policy.model.float()
+    randomize_adapter(policy, seed)
+    modules, fused = (Engine(policy, max_batch=4, max_seq_len=24, fused=f).generate(
+        PROMPTS, GREEDY) for f in (False, True))
+    assert groups == [3, 1, 2, 1] * 2  # the prefill's q/k/v, o, gate/up, down, a layer each
+    assert fused.tokens == modules.tokens, seed
+    assert torch.allclose(torch.tensor(fused.logprobs), torch.tensor(modules.logprobs),
+                          atol=2e-4), seed
+
+
 def test_a_batch_shrinks_to_its_live_sequences_and_generates_the_same():
     """Once most sequences have stopped, the live ones move to the front of the cache and
     the batch goes on at the next power of two that holds them: every sequence's tokens,

@@ -1,14 +1,17 @@
 """The decode step's dense groups: frozen q/k/v and gate/up re-pointed into one buffer each
-(qerl.rollout.projections.merge_dense), so that a step runs each group as one GEMM."""
+(qerl.rollout.projections.merge_dense), so that a step runs each group as one GEMM; and a
+prefill's groups, their adapters as GEMMs."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
+from qerl.kernels import lora_decode
 from qerl.policy import build_policy
 from qerl.rollout import Engine
-from qerl.rollout.projections import _dense_group, merge_dense, project
+from qerl.rollout.projections import _dense_group, lora_parts, merge_dense, project
 from tests.conftest import fresh_seed
 from tests.test_policy import randomize_adapter
 
@@ -86,3 +89,47 @@ def test_trainable_or_mixed_groups_stay_as_they_are():
         merge_dense(group)
         assert [storage(m.weight) for m in group] == pointers
         assert _dense_group(group, torch.ones(1, 8)) is None
+
+
+@pytest.mark.parametrize("method", ["lora", "qerl"])
+def test_a_prefill_group_adds_each_adapter_once_rounded(method, tiny_model_dir,
+                                                        tiny_checkpoint):
+    """More rows than the decode kernels take: each output is its base's plus scaling x
+    A^T B^T, against float64 within the adapters' bf16 operands and one rounding, for
+    merged BF16 bases and NVFP4 ones, q/k/v, gate/up through SiLU, and down."""
+    seed = fresh_seed()
+    policy = build_policy(method, tiny_model_dir if method == "lora" else tiny_checkpoint)
+    randomize_adapter(policy, seed)
+    Engine(policy, max_batch=2, max_seq_len=16, fused=True)  # merges LoRA's dense groups
+    layer = policy.base_model.model.layers[1]
+    attn, mlp = layer.self_attn, layer.mlp
+    gen = torch.Generator().manual_seed(seed)
+    rows = lora_decode.MAX_ROWS + 7
+
+    def reference(module, x):
+        """float64 base + adapter, and a bound on the rounding of x A^T, A, B, the merged
+        base and the sum: 2^-8 of what each carries (magnitudes, so that cancellation
+        inside the adapter does not shrink it)."""
+        p = lora_parts(module)
+        x, a, b, base = x.double(), p.a.double(), p.b.double(), p.base(x).double()
+        adapter = p.scaling * x @ a.T @ b.T
+        carried = p.scaling * x.abs() @ a.abs().T @ b.abs().T
+        ref = base + adapter
+        return ref, adapter, 2.0 ** -8 * (ref.abs() + base.abs() + 3 * carried)
+
+    def check(got, ref, adapter, bound):
+        assert ((got.double() - ref).abs() <= bound).all(), seed
+        assert (adapter.abs() > 10 * bound).any(), seed  # a lost adapter would show
+
+    with torch.no_grad():
+        x = torch.randn(rows, attn.q_proj.in_features, generator=gen).to(torch.bfloat16)
+        for out, module in zip(project([attn.q_proj, attn.k_proj, attn.v_proj], x),
+                               [attn.q_proj, attn.k_proj, attn.v_proj], strict=True):
+            check(out, *reference(module, x))
+        (act,) = project([mlp.gate_proj, mlp.up_proj], x, silu_mul=True)
+        (gate, *_), (up, *_) = (reference(m, x) for m in (mlp.gate_proj, mlp.up_proj))
+        ref = torch.nn.functional.silu(gate) * up
+        assert torch.allclose(act.double(), ref, rtol=2.0 ** -6,
+                              atol=2.0 ** -8 * ref.abs().max().item()), seed
+        h = torch.randn(rows, mlp.down_proj.in_features, generator=gen).to(torch.bfloat16)
+        check(project([mlp.down_proj], h)[0], *reference(mlp.down_proj, h))
