@@ -43,8 +43,8 @@ EVAL_METRICS = ("avg@", "pass@")
 MISMATCH = "mismatch/logp_diff_mean"
 TRAIN_METRICS = ("reward", "entropy", "loss", "step_time", "rollout/tokens_per_s",
                  "memory/peak_gb", "aqn/sigma", MISMATCH)
-# A ratio pairs a step with the LoRA step measured within this time of it: one run, or runs
-# back to back on one machine, so that no ratio mixes code versions or machines.
+# A ratio pairs measurements taken within this time of each other by one qerl version: one
+# run, or runs back to back on one machine, so that no ratio mixes code versions or machines.
 PAIR_WINDOW_HOURS = 1.0
 STEP_SETTINGS = ("lora_rank", "prompts", "generations", "completion", "micro_batch",
                  "grad_ckpt")
@@ -133,19 +133,30 @@ def _footprint(path: Path):
 
 # ---- derived columns ----------------------------------------------------------------------
 
+def different_runs(date_a, date_b, version_a=None, version_b=None):
+    """Whether two measurements (scalars, or aligned Series) cannot come from one run:
+    dated more than PAIR_WINDOW_HOURS apart, or made by two qerl versions (commits) where
+    both record theirs. Undated rows are not told apart."""
+    apart = abs(pd.to_datetime(date_a) - pd.to_datetime(date_b)) > pd.Timedelta(
+        hours=PAIR_WINDOW_HOURS)
+    if version_a is None or version_b is None:
+        return apart
+    return apart | (pd.notna(version_a) & pd.notna(version_b) & (version_a != version_b))
+
+
 def speed_vs_lora(frame: pd.DataFrame) -> pd.Series:
-    """Each step's speed against LoRA's at the same card, model and settings, measured
-    within PAIR_WINDOW_HOURS of it where the rows are dated (else no ratio)."""
+    """Each step's speed against LoRA's at the same card, model and settings, from one run
+    where the rows say when and by which version (``different_runs``; else no ratio)."""
     group = ["card", "model", *STEP_SETTINGS]
     lora = frame[frame.method == "lora"].drop_duplicates(group, keep="last").set_index(group)
-    window = pd.Timedelta(hours=PAIR_WINDOW_HOURS)
 
     def speed(row) -> float | None:
         key = tuple(row[g] for g in group)
         if key not in lora.index or not row["step_s"] or pd.isna(lora.loc[key, "step_s"]):
             return None
-        if "date" in frame and abs(pd.Timestamp(lora.loc[key, "date"])
-                                   - pd.Timestamp(row["date"])) > window:
+        if "date" in frame and different_runs(
+                lora.loc[key, "date"], row["date"],
+                *((lora.loc[key, "qerl"], row["qerl"]) if "qerl" in frame else ())):
             return None
         return lora.loc[key, "step_s"] / row["step_s"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 
 from qerl.methods import METHODS
-from qerl.report.collect import KINDS, MISMATCH, PAIR_WINDOW_HOURS
+from qerl.report.collect import KINDS, MISMATCH, different_runs
 from qerl.rl.phases import PHASES
 
 PAPER_METRIC = {"gsm8k": "gsm8k_accuracy", "math500": "math500_accuracy"}
@@ -59,22 +59,23 @@ def _by_weights(frame: pd.DataFrame, kind: str, value: str, speedup: str,
     index = ["card", "model", *KINDS[kind].setting]
     wide = _wide(frame, index, "method", value)
     dates = _wide(frame, index, "method", "date") if "date" in frame else None
+    versions = _wide(frame, index, "method", "qerl") if "qerl" in frame else None
     for name, over, under in ((speedup, *speedup.split("/")), *more):
-        ratio(wide, dates, name, over, under)
+        ratio(wide, dates, versions, name, over, under)
     return wide
 
 
-def ratio(wide: pd.DataFrame, dates: pd.DataFrame | None, name: str, over: str,
-          under: str) -> None:
-    """wide[name] = wide[over] / wide[under] where both were measured, and within
-    PAIR_WINDOW_HOURS of each other where dated: the newest row of each can come from
-    different runs, and a ratio across runs (another day, another version) is no ratio."""
+def ratio(wide: pd.DataFrame, dates: pd.DataFrame | None, versions: pd.DataFrame | None,
+          name: str, over: str, under: str) -> None:
+    """wide[name] = wide[over] / wide[under] where both were measured in one run (dated
+    within PAIR_WINDOW_HOURS, by one qerl version: ``different_runs``): the newest row of
+    each can come from different runs, and a ratio across runs is no ratio."""
     if not {over, under} <= set(wide.columns):
         return
     wide[name] = wide[over] / wide[under]
     if dates is not None:
-        apart = (pd.to_datetime(dates[over]) - pd.to_datetime(dates[under])).abs()
-        wide.loc[(apart > pd.Timedelta(hours=PAIR_WINDOW_HOURS)).to_numpy(), name] = None
+        by = (versions[over], versions[under]) if versions is not None else ()
+        wide.loc[different_runs(dates[over], dates[under], *by).to_numpy(), name] = None
 
 
 def listing(kind: str):

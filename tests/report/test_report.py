@@ -130,15 +130,18 @@ def test_the_headline_states_each_claim_with_its_setting_and_card(results):
 
 
 def test_a_ratio_pairs_rows_of_one_run_only(results):
-    """The newest BF16 and NVFP4 rows of a setting can come from runs days apart (another
-    version): their ratio is left empty, as a step's speed against LoRA's is."""
+    """The newest BF16 and NVFP4 rows of a setting can come from runs days apart, or from
+    two versions of qerl run minutes apart: their ratio is left empty, as a step's speed
+    against LoRA's is."""
     rows = [{"card": CARD, "model": "qwen2.5-7b", "weights": w, "lora_rank": 32, "batch": b,
-             "prompt_len": 256, "gen_len": 1024, "fused": 1, "date": d, "tok_per_s": t}
-            for w, b, d, t in [("bf16", 64, "2026-01-01 10:00", 1000.0),
-                               ("nvfp4", 64, "2026-01-01 10:20", 1500.0),
-                               ("bf16", 128, "2026-01-01 10:00", 1000.0),
-                               ("nvfp4", 128, "2026-01-03 10:00", 1500.0),
-                               ("vllm-nvfp4", 128, "2026-01-03 10:30", 1200.0)]]
+             "prompt_len": 256, "gen_len": 1024, "fused": 1, "date": d, "tok_per_s": t,
+             "qerl": v}
+            for w, b, d, t, v in [("bf16", 64, "2026-01-01 10:00", 1000.0, "0.1.0+a"),
+                                  ("nvfp4", 64, "2026-01-01 10:20", 1500.0, "0.1.0+a"),
+                                  ("vllm-nvfp4", 64, "2026-01-01 10:10", 1000.0, "0.1.0+b"),
+                                  ("bf16", 128, "2026-01-01 10:00", 1000.0, "0.1.0+a"),
+                                  ("nvfp4", 128, "2026-01-03 10:00", 1500.0, "0.1.0+a"),
+                                  ("vllm-nvfp4", 128, "2026-01-03 10:30", 1200.0, "0.1.0+a")]]
     write(results / "bench/rollout/rollout_dated.csv", rows)
     report(results)
     table = pd.read_csv(results / "tables/rollout.csv")
@@ -146,6 +149,7 @@ def test_a_ratio_pairs_rows_of_one_run_only(results):
     assert table.loc[64, "nvfp4/bf16"] == pytest.approx(1.5)
     assert pd.isna(table.loc[128, "nvfp4/bf16"])  # two days apart
     assert table.loc[128, "nvfp4/vllm"] == pytest.approx(1.25)  # half an hour apart
+    assert pd.isna(table.loc[64, "nvfp4/vllm"])  # minutes apart, another commit
 
 
 def test_rollout_rows_from_before_the_group_column_are_groups_of_one(results):
@@ -338,8 +342,8 @@ def test_a_rerun_benchmark_replaces_its_rows_and_keeps_other_settings(tmp_path):
 
 
 def test_a_step_is_compared_with_lora_only_at_the_same_settings_and_run():
-    """Rows of other settings (another L) are not compared with each other's LoRA, and a
-    LoRA step measured over an hour apart (another run, maybe another version) is not."""
+    """Rows of other settings (another L) are not compared with each other's LoRA, nor is a
+    LoRA step measured over an hour apart (another run) or by another version of qerl."""
     same = {"card": CARD, "model": "m", "lora_rank": 32, "prompts": 2, "generations": 8,
             "micro_batch": 8, "grad_ckpt": 1}
     frame = pd.DataFrame([
@@ -352,6 +356,8 @@ def test_a_step_is_compared_with_lora_only_at_the_same_settings_and_run():
     assert pd.isna(speed_vs_lora(frame).iloc[1])
     frame.loc[1, "date"] = "2026-01-01 10:50"
     assert speed_vs_lora(frame).iloc[1] == 2.0
+    frame["qerl"] = ["0.1.0+a", "0.1.0+b", "0.1.0+a"]  # minutes apart, another commit
+    assert pd.isna(speed_vs_lora(frame).iloc[1])
 
 
 def test_the_committed_results_draw(tmp_path):
