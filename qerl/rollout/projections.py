@@ -172,7 +172,8 @@ def _many_rows(parts: list[LoraParts], x2: torch.Tensor) -> list[torch.Tensor]:
     first = 0
     for out, p in zip(outs, parts, strict=True):
         rank = p.a.shape[0]
-        out.addmm_(xa[:, first:first + rank], p.b.to(out.dtype).t(), alpha=p.scaling)
+        out.addmm_(xa[:, first:first + rank].to(out.dtype), p.b.to(out.dtype).t(),
+                   alpha=p.scaling)
         first += rank
     return outs
 
