@@ -12,8 +12,8 @@ import numpy as np
 import pandas as pd
 
 from qerl.record import per_card
-from qerl.report.collect import MISMATCH, STEP_SETTINGS
-from qerl.report.tables import ROLLOUT_METHOD, efficiency, paper_model
+from qerl.report.collect import MISMATCH, STEP_SETTINGS, different_runs
+from qerl.report.tables import ROLLOUT_METHOD, efficiency, paper_model, rollout
 from qerl.rl.phases import PHASES
 
 SMOOTH = 10  # steps in the running mean of the study's curves
@@ -136,11 +136,21 @@ def _engine_rollouts(frames: dict) -> pd.DataFrame | None:
     return rows[(rows.method != "hf-bf16") & (rows.fused != 0)]  # the engine as it runs
 
 
+def _one_run(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows measured in one run with the newest of them (``different_runs``): a figure's
+    lines compare those only, as the tables' ratios do."""
+    if "date" not in rows or rows.date.isna().all():
+        return rows
+    newest = rows.loc[pd.to_datetime(rows.date).idxmax()]
+    versions = (rows.qerl, newest.qerl) if "qerl" in rows else ()
+    return rows[~different_runs(rows.date, newest.date, *versions).to_numpy()]
+
+
 def rollout_by_rank(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
     """The paper's rollout figure, per card: tokens/s against LoRA rank for each (model,
-    batch, prompt, generated length) measured at several ranks, a line per weights, the
-    paper's numbers dashed in the same colour (its LoRA, QLoRA and QeRL: our bf16, nf4 and
-    nvfp4), Hugging Face generate as a dotted level."""
+    batch, samples a prompt, prompt, generated length) whose newest run measured several
+    ranks, a line per weights, the paper's numbers dashed in the same colour (its LoRA,
+    QLoRA and QeRL: our bf16, nf4 and nvfp4), Hugging Face generate as a dotted level."""
     engine = _engine_rollouts(frames)
     if engine is None:
         return []
@@ -148,17 +158,17 @@ def rollout_by_rank(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
     theirs = paper[(paper.metric == "rollout_throughput") & paper.lora_rank.notna()]
     theirs = theirs.assign(model=theirs.model.map(paper_model))
     colours = {w: f"C{i}" for i, w in enumerate(ROLLOUT_METHOD)}
-    settings = ["model", "batch", "prompt_len", "gen_len"]
+    settings = ["model", "batch", "group", "prompt_len", "gen_len"]
     written = []
     for card, rows in engine.groupby("card"):
-        panels = [(k, g) for k, g in rows.groupby(settings, dropna=False)
-                  if g.lora_rank.nunique() > 1]
+        panels = [(k, run) for k, g in rows.groupby(settings, dropna=False)
+                  if (run := _one_run(g)).lora_rank.nunique() > 1]
         if not panels:
             continue
         fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8),
                                  squeeze=False)
-        for ax, ((model, batch, prompt_len, gen_len), sel) in zip(axes[0], panels,
-                                                                   strict=True):
+        for ax, ((model, batch, group, prompt_len, gen_len), sel) in zip(axes[0], panels,
+                                                                          strict=True):
             for weights, g in sel.groupby("method"):
                 g = g.sort_values("lora_rank")
                 ax.plot(g.lora_rank, g.tok_per_s, marker="o", color=colours.get(weights),
@@ -174,34 +184,35 @@ def rollout_by_rank(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
             if len(hf):
                 ax.axhline(hf.tok_per_s.iloc[-1], color="grey", ls=":",
                            label="HF generate bf16")
-            ax.set(title=f"{model} batch {batch} prompt {prompt_len} gen {gen_len}",
+            shape = f"batch {batch:g}" + (f" ({group:g} a prompt)" if group != 1 else "")
+            ax.set(title=f"{model} {shape} prompt {prompt_len:g} gen {gen_len:g}",
                    xlabel="LoRA rank", ylabel="tokens/s")
             ax.legend(fontsize=7)
-        fig.suptitle(f"Rollout throughput by LoRA rank, {card}")
+        fig.suptitle(f"Rollout throughput by LoRA rank, {card} (each panel one run)")
         written.append(_save(plt, fig, out / per_card("rollout_by_rank", card, ".png")))
     return written
 
 
 def rollout_speedup(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
-    """Per card: NVFP4's rollout tokens/s over BF16's (same run, LoRA attached) against the
-    batch, a line per model, rank, prompt and generated length."""
-    engine = _engine_rollouts(frames)
-    if engine is None:
+    """Per card: NVFP4's rollout tokens/s over BF16's (``tables.rollout``'s ratio: one run,
+    LoRA attached) against the batch, a line per model, rank, samples a prompt, prompt and
+    generated length, for the engine as it runs (fused)."""
+    table = rollout(frames, paper)
+    if table.empty or "nvfp4/bf16" not in table:
         return []
     plt = _pyplot()
     written = []
-    for card, rows in engine.groupby("card"):
-        settings = ["model", "lora_rank", "prompt_len", "gen_len", "batch", "method"]
-        rows = rows.drop_duplicates(settings, keep="last")  # the fused run over an unmarked one
-        wide = rows.set_index(settings).tok_per_s.unstack("method")
-        if not {"bf16", "nvfp4"} <= set(wide.columns):
+    for card, rows in table[table.fused != 0].groupby("card"):
+        rows = rows.dropna(subset=["nvfp4/bf16"])
+        if rows.empty:
             continue
-        ratio = (wide.nvfp4 / wide.bf16).dropna().reset_index(name="ratio")
         fig, ax = plt.subplots(figsize=(6.5, 4))
-        for (model, rank, prompt_len, gen_len), g in ratio.groupby(
-                ["model", "lora_rank", "prompt_len", "gen_len"], dropna=False):
-            ax.plot(g.batch, g.ratio, marker="o",
-                    label=f"{model} r{rank} prompt {prompt_len} gen {gen_len}")
+        for (model, rank, group, prompt_len, gen_len), g in rows.groupby(
+                ["model", "lora_rank", "group", "prompt_len", "gen_len"], dropna=False):
+            g = g.sort_values("batch")
+            shape = f" ({group:g} a prompt)" if group != 1 else ""
+            ax.plot(g.batch, g["nvfp4/bf16"], marker="o",
+                    label=f"{model} r{rank:g}{shape} prompt {prompt_len:g} gen {gen_len:g}")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set(xlabel="batch (sequences)", ylabel="NVFP4 tokens/s / BF16 tokens/s",

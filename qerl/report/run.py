@@ -51,12 +51,26 @@ def report(results: Path, paper: Path | None = None, expected: Path | None = Non
         written["tables"].append(name)
     for draw in FIGURES:
         written["figures"] += [p.name for p in draw(found.frames, reference, figures_dir)]
+    written["removed"] = _remove_stale(tables_dir, figures_dir, written)
     written["unread"] = [str(path) for path in unread(results, found.files)]
     if expected is not None:
         check(found.values, expected)
         if written["unread"]:  # a result that no table shows is a result lost
             raise DriftError(f"files under {results} that no table reads: {written['unread']}")
     return written
+
+
+def _remove_stale(tables_dir: Path, figures_dir: Path, written: dict) -> list[str]:
+    """Remove what an earlier report wrote and this one did not (a table now empty, a
+    figure whose panels no longer hold one run), so that no output outlives the
+    measurements it showed; files of other names are left alone."""
+    ours = {f"{name}.{ext}" for name in TABLES for ext in ("csv", "md")}
+    fresh = {f"{name}.{ext}" for name in written["tables"] for ext in ("csv", "md")}
+    stale = [p for p in tables_dir.iterdir() if p.name in ours - fresh]
+    stale += [p for p in figures_dir.glob("*.png") if p.name not in written["figures"]]
+    for path in stale:
+        path.unlink()
+    return sorted(str(path) for path in stale)
 
 
 def unread(results: Path, read: set[Path]) -> list[Path]:

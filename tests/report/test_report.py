@@ -152,6 +152,30 @@ def test_a_ratio_pairs_rows_of_one_run_only(results):
     assert pd.isna(table.loc[64, "nvfp4/vllm"])  # minutes apart, another commit
 
 
+def test_the_rank_figure_compares_one_run_and_stale_outputs_go(tmp_path):
+    """A rank panel draws only the ranks its newest run measured: once a later run measures
+    one rank alone, the panel (and a figure of it alone) is gone, not left showing ranks
+    from two runs; files of other names stay."""
+    def row(rank, date, version):
+        return {"card": CARD, "model": "qwen2.5-7b", "weights": "nvfp4", "lora_rank": rank,
+                "batch": 1, "prompt_len": 256, "gen_len": 512, "fused": 1, "date": date,
+                "tok_per_s": 100.0 + rank, "qerl": version}
+
+    results = tmp_path / "results"
+    early = [row(16, "2026-01-01 10:00", "0.1.0+a"), row(64, "2026-01-01 10:10", "0.1.0+a")]
+    write(results / "bench/rollout/rollout_ranks.csv", early)
+    figure = f"rollout_by_rank_{CARD.replace(' ', '_')}.png"
+    keep = results / "figures/mine.txt"
+    keep.parent.mkdir(parents=True, exist_ok=True)
+    keep.write_text("not the report's")
+    assert figure in report(results)["figures"]
+    write(results / "bench/rollout/rollout_ranks.csv",
+          [*early, row(32, "2026-01-01 10:20", "0.1.0+b")])  # minutes later, another commit
+    written = report(results)
+    assert figure not in written["figures"] and not (results / "figures" / figure).exists()
+    assert written["removed"] == [str(results / "figures" / figure)] and keep.exists()
+
+
 def test_rollout_rows_from_before_the_group_column_are_groups_of_one(results):
     """Rows written before --group existed had every prompt distinct: they are group 1 (their
     keys unchanged), and a newer group-1 row of the same setting replaces them; a
