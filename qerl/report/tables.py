@@ -274,7 +274,32 @@ def rollout(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
         qerl, lora = theirs(r.model, "qerl", r.lora_rank), theirs(r.model, "lora", r.lora_rank)
         ratios.append(qerl / lora if qerl and lora else None)
     wide["paper qerl/lora"] = ratios
+    wide = _over_unadapted(_beside_engine(ours), wide)
     return _sorted(wide, ROLLOUT_ORDER)
+
+
+UNADAPTED = "nvfp4/vllm-bf16 no LoRA"
+
+
+def _over_unadapted(rows: pd.DataFrame, wide: pd.DataFrame) -> pd.DataFrame:
+    """wide[UNADAPTED]: our NVFP4 with its adapter over vLLM's BF16 with none (rank 0) at
+    the same card, model and shape, from one run: what LoRA costs vLLM at large batch is
+    the bar for 4-bit weights carrying an adapter."""
+    shape = ["card", "model", "batch", "group", "prompt_len", "gen_len"]
+    stamps = [c for c in ("date", "qerl") if c in rows]
+    plain = rows[(rows.method == "vllm-bf16") & (rows.lora_rank == 0)]
+    ours = rows[(rows.method == "nvfp4") & (rows.lora_rank > 0) & (rows.fused != 0)]
+    if plain.empty or ours.empty:
+        return wide
+    both = ours[[*shape, "lora_rank", "fused", "tok_per_s", *stamps]].merge(
+        plain[[*shape, "tok_per_s", *stamps]], on=shape, suffixes=("", " plain"))
+    both[UNADAPTED] = both.tok_per_s / both["tok_per_s plain"]
+    if "date" in both:
+        versions = (both.qerl, both["qerl plain"]) if "qerl" in both else ()
+        both.loc[different_runs(both.date, both["date plain"], *versions).to_numpy(),
+                 UNADAPTED] = None
+    keys = [*shape, "lora_rank", "fused"]
+    return wide.merge(both[[*keys, UNADAPTED]], on=keys, how="left")
 
 
 def rollout_phases(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -411,6 +436,8 @@ def headline(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
             for weights, name in (("nvfp4", "NVFP4"), ("bf16", "BF16")):
                 add(f"rollout tokens/s, ours / vLLM ({name})", r.card, setting,
                     r.get(f"{weights}/vllm"), "x", "rollout.md")
+            add("rollout tokens/s, ours NVFP4 + LoRA / vLLM BF16 without", r.card, setting,
+                r.get(UNADAPTED), "x", "rollout.md")
     step = efficiency(frames, paper)
     if not step.empty:
         for _, r in step[step.method == "qerl"].iterrows():

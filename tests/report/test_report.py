@@ -101,6 +101,7 @@ def test_the_headline_states_each_claim_with_its_setting_and_card(results):
                for w, r, b, g, t in [("bf16", 32, 64, 1024, 1000.0),
                                      ("nvfp4", 32, 64, 1024, 1500.0),
                                      ("vllm-nvfp4", 32, 64, 1024, 1200.0),
+                                     ("vllm-bf16", 0, 64, 1024, 2000.0),
                                      ("bf16", 32, 64, 512, 1.0), ("nvfp4", 32, 64, 512, 9.0),
                                      ("bf16", 16, 64, 1024, 1.0), ("nvfp4", 16, 64, 1024, 9.0)]]
     grouped = [{**row, "group": 8, "tok_per_s": row["tok_per_s"] * 2} for row in rollout[:2]]
@@ -115,10 +116,12 @@ def test_the_headline_states_each_claim_with_its_setting_and_card(results):
     setting = "qwen2.5-7b, LoRA r32, batch 64, prompt 256 / 1024 generated"
     assert by["rollout tokens/s, NVFP4 / BF16", setting].value == pytest.approx(1.5)
     assert by["rollout tokens/s, ours / vLLM (NVFP4)", setting].value == pytest.approx(1.25)
-    assert ("rollout tokens/s, ours / vLLM (BF16)", setting) not in by  # vLLM BF16 not run
+    assert ("rollout tokens/s, ours / vLLM (BF16)", setting) not in by  # with LoRA: not run
+    unadapted = by["rollout tokens/s, ours NVFP4 + LoRA / vLLM BF16 without", setting]
+    assert unadapted.value == pytest.approx(0.75)
     grpo = "qwen2.5-7b, LoRA r32, batch 64 (8 samples a prompt), prompt 256 / 1024 generated"
     assert by["rollout tokens/s, NVFP4 / BF16", grpo].value == pytest.approx(1.5)
-    assert sum(c.startswith("rollout") for c, _ in by) == 3  # other ranks and lengths: no
+    assert sum(c.startswith("rollout") for c, _ in by) == 4  # other ranks and lengths: no
     step = by["RL step, LoRA time / qerl time", "qwen2.5-7b, 4 prompts x 8 x 512 tokens, "
               "LoRA r32"]
     assert step.value == pytest.approx(1.25) and step.paper == 1.2 and step.card == CARD
@@ -142,14 +145,19 @@ def test_a_ratio_pairs_rows_of_one_run_only(results):
                                   ("bf16", 128, "2026-01-01 10:00", 1000.0, "0.1.0+a"),
                                   ("nvfp4", 128, "2026-01-03 10:00", 1500.0, "0.1.0+a"),
                                   ("vllm-nvfp4", 128, "2026-01-03 10:30", 1200.0, "0.1.0+a")]]
+    rows += [{**rows[0], "weights": "vllm-bf16", "lora_rank": 0, "batch": b, "date": d,
+              "tok_per_s": 2000.0} for b, d in ((64, "2026-01-01 10:05"),
+                                                (128, "2026-01-01 10:05"))]
     write(results / "bench/rollout/rollout_dated.csv", rows)
     report(results)
     table = pd.read_csv(results / "tables/rollout.csv")
-    table = table[table.model == "qwen2.5-7b"].set_index("batch")
+    table = table[(table.model == "qwen2.5-7b") & (table.lora_rank == 32)].set_index("batch")
     assert table.loc[64, "nvfp4/bf16"] == pytest.approx(1.5)
     assert pd.isna(table.loc[128, "nvfp4/bf16"])  # two days apart
     assert table.loc[128, "nvfp4/vllm"] == pytest.approx(1.25)  # half an hour apart
     assert pd.isna(table.loc[64, "nvfp4/vllm"])  # minutes apart, another commit
+    assert table.loc[64, "nvfp4/vllm-bf16 no LoRA"] == pytest.approx(0.75)
+    assert pd.isna(table.loc[128, "nvfp4/vllm-bf16 no LoRA"])  # two days apart
 
 
 def test_the_rank_figure_compares_one_run_and_stale_outputs_go(tmp_path):
