@@ -60,16 +60,25 @@ def report(results: Path, paper: Path | None = None, expected: Path | None = Non
     return written
 
 
+# The figures the last report drew, so that the next removes only its own stale ones.
+DRAWN = ".drawn"
+
+
 def _remove_stale(tables_dir: Path, figures_dir: Path, written: dict) -> list[str]:
     """Remove what an earlier report wrote and this one did not (a table now empty, a
     figure whose panels no longer hold one run), so that no output outlives the
-    measurements it showed; files of other names are left alone."""
+    measurements it showed. Only the report's own files go: the tables it names, the
+    figures the last report drew (listed in figures/DRAWN)."""
     ours = {f"{name}.{ext}" for name in TABLES for ext in ("csv", "md")}
     fresh = {f"{name}.{ext}" for name in written["tables"] for ext in ("csv", "md")}
     stale = [p for p in tables_dir.iterdir() if p.name in ours - fresh]
-    stale += [p for p in figures_dir.glob("*.png") if p.name not in written["figures"]]
+    drawn = figures_dir / DRAWN
+    before = drawn.read_text().split() if drawn.is_file() else []
+    stale += [figures_dir / name for name in before if name not in written["figures"]
+              and (figures_dir / name).is_file()]
     for path in stale:
         path.unlink()
+    drawn.write_text("".join(f"{name}\n" for name in sorted(written["figures"])))
     return sorted(str(path) for path in stale)
 
 

@@ -163,7 +163,7 @@ def test_a_ratio_pairs_rows_of_one_run_only(results):
 def test_the_rank_figure_compares_one_run_and_stale_outputs_go(tmp_path):
     """A rank panel draws only the ranks its newest run measured: once a later run measures
     one rank alone, the panel (and a figure of it alone) is gone, not left showing ranks
-    from two runs; files of other names stay."""
+    from two runs; figures the report did not draw stay."""
     def row(rank, date, version):
         return {"card": CARD, "model": "qwen2.5-7b", "weights": "nvfp4", "lora_rank": rank,
                 "batch": 1, "prompt_len": 256, "gen_len": 512, "fused": 1, "date": date,
@@ -173,9 +173,9 @@ def test_the_rank_figure_compares_one_run_and_stale_outputs_go(tmp_path):
     early = [row(16, "2026-01-01 10:00", "0.1.0+a"), row(64, "2026-01-01 10:10", "0.1.0+a")]
     write(results / "bench/rollout/rollout_ranks.csv", early)
     figure = f"rollout_by_rank_{CARD.replace(' ', '_')}.png"
-    keep = results / "figures/mine.txt"
+    keep = results / "figures/mine.png"  # a user's own figure
     keep.parent.mkdir(parents=True, exist_ok=True)
-    keep.write_text("not the report's")
+    keep.write_bytes(b"not the report's")
     assert figure in report(results)["figures"]
     write(results / "bench/rollout/rollout_ranks.csv",
           [*early, row(32, "2026-01-01 10:20", "0.1.0+b")])  # minutes later, another commit
