@@ -258,7 +258,8 @@ def rollout(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
     ours = frames.get("rollout")
     if ours is None:
         return pd.DataFrame()
-    wide = _by_weights(_beside_engine(ours), "rollout", "tok_per_s", "nvfp4/bf16",
+    ours = _beside_engine(ours)
+    wide = _by_weights(ours, "rollout", "tok_per_s", "nvfp4/bf16",
                        more=[(f"{w}/vllm", w, f"vllm-{w}") for w in ("bf16", "nvfp4")])
     ref = paper[paper.metric == "rollout_throughput"]
     by_rank = {(paper_model(r.model), r.method, r.lora_rank): r.value for r in ref.itertuples()}
@@ -274,7 +275,7 @@ def rollout(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
         qerl, lora = theirs(r.model, "qerl", r.lora_rank), theirs(r.model, "lora", r.lora_rank)
         ratios.append(qerl / lora if qerl and lora else None)
     wide["paper qerl/lora"] = ratios
-    wide = _over_unadapted(_beside_engine(ours), wide)
+    wide = _over_unadapted(ours, wide)
     return _sorted(wide, ROLLOUT_ORDER)
 
 
