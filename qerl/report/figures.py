@@ -133,7 +133,8 @@ def _engine_rollouts(frames: dict) -> pd.DataFrame | None:
     rows = frames.get("rollout")
     if rows is None:
         return None
-    return rows[(rows.method != "hf-bf16") & (rows.fused != 0)]  # the engine as it runs
+    # The engine as it runs: not Hugging Face generate, not vLLM, not the model's own modules.
+    return rows[rows.method.isin(ROLLOUT_METHOD) & (rows.fused != 0)]
 
 
 def _one_run(rows: pd.DataFrame) -> pd.DataFrame:

@@ -184,6 +184,19 @@ def test_the_rank_figure_compares_one_run_and_stale_outputs_go(tmp_path):
     assert written["removed"] == [str(results / "figures" / figure)] and keep.exists()
 
 
+def test_the_rank_figure_draws_the_engines_ranks_not_vllms_unadapted_rows(tmp_path):
+    """vLLM's rows without an adapter (rank 0) measured beside one engine rank are no rank
+    comparison: no rank figure is drawn of them."""
+    def row(weights, rank):
+        return {"card": CARD, "model": "qwen2.5-7b", "weights": weights, "lora_rank": rank,
+                "batch": 128, "prompt_len": 256, "gen_len": 1024, "fused": 1 if rank else None,
+                "date": "2026-01-01 10:00", "tok_per_s": 1000.0 + rank, "qerl": "0.1.0+a"}
+
+    results = tmp_path / "results"
+    write(results / "bench/rollout/rollout_x.csv", [row("nvfp4", 32), row("vllm-bf16", 0)])
+    assert not [f for f in report(results)["figures"] if "rollout_by_rank" in f]
+
+
 def test_rollout_rows_from_before_the_group_column_are_groups_of_one(results):
     """Rows written before --group existed had every prompt distinct: they are group 1 (their
     keys unchanged), and a newer group-1 row of the same setting replaces them; a
