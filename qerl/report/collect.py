@@ -168,6 +168,29 @@ def _with_speed(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.assign(speed_vs_lora=speed_vs_lora(frame))
 
 
+# cuBLAS BF16's GEMMs of this many rows or more are compute-bound: the best rate it reaches
+# there stands in for the card's dense BF16 rate (a datasheet's peak is not reached).
+RATE_FROM_M = 2048
+
+
+def kernel_ceiling(frame: pd.DataFrame) -> pd.Series:
+    """Each matmul's ceiling over cuBLAS BF16: cuBLAS's time over the least an NVFP4 matmul
+    of its shape can take on that card, the longer of moving its fewest bytes at the copy
+    bandwidth measured in its run (``floor_us``) and multiplying (2 M N K) at the best rate
+    cuBLAS BF16 reached on the card from RATE_FROM_M rows. NaN where either is unknown."""
+    if not {"floor_us", "bf16_us", "M", "N", "K"} <= set(frame):
+        return pd.Series(float("nan"), index=frame.index)
+    flops = 2.0 * frame.M * frame.N * frame.K
+    rate = (flops / frame.bf16_us).where(frame.M >= RATE_FROM_M).groupby(
+        frame.card).transform("max")
+    least = pd.concat([frame.floor_us, flops / rate], axis=1).max(axis=1, skipna=False)
+    return frame.bf16_us / least
+
+
+def _with_ceiling(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame.assign(ceiling_vs_bf16=kernel_ceiling(frame))
+
+
 # ---- the kinds ----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -238,7 +261,9 @@ KINDS = {
                     metrics=("tok_per_s", "first_token_s", "step_ms", "peak_gb"),
                     defaults={"group": 1}),  # every prompt distinct before --group
     "kernels": Kind(("bench/**/kernels_*.csv",), method="op", setting=("layer", "M"),
-                    metrics=("speedup_vs_bf16", "ours_us", "bf16_us", "triton_fused_us")),
+                    metrics=("speedup_vs_bf16", "ceiling_vs_bf16", "ours_us", "bf16_us",
+                             "triton_fused_us"),
+                    derive=_with_ceiling),
     "kernel_paths": Kind(("bench/**/kernel_paths_*.csv",), _model_layer, method="path",
                          setting=("layer", "op", "M"),
                          metrics=("speedup_vs_bf16", "us", "bf16_us")),

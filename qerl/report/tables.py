@@ -329,16 +329,17 @@ def _day_span(days: pd.Series) -> str:
     return first if first == last else f"{first} .. {last}"
 
 
-def _speedup_by_m(kind: str, index: list[str], method: str, doc: str):
-    """A table of ``kind``'s speed-ups over cuBLAS BF16: a row per card, model, ``index``
-    and method (named ``method``), a column per M."""
+def _speedup_by_m(kind: str, index: list[str], method: str, doc: str,
+                  value: str = "speedup_vs_bf16"):
+    """A table of ``kind``'s ``value`` (speed-ups over cuBLAS BF16): a row per card, model,
+    ``index`` and method (named ``method``), a column per M."""
 
     def table(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
         ours = frames.get(kind)
         if ours is None:
             return pd.DataFrame()
         keys = ["card", "model", *index, "method"]
-        wide = _wide(ours, keys, "M", "speedup_vs_bf16")
+        wide = _wide(ours, keys, "M", value)
         if "date" in ours:  # a row's cells can come from runs of other versions: say when
             day = pd.to_datetime(ours["date"], errors="coerce").dt.strftime("%Y-%m-%d")
             days = ours.assign(day=day)
@@ -353,6 +354,11 @@ def _speedup_by_m(kind: str, index: list[str], method: str, doc: str):
 
 kernels = _speedup_by_m("kernels", ["layer"], "op", "NVFP4 matmul speed-up over cuBLAS BF16 "
                         "by card, model, layer and op (fwd, bwd), a column per M.")
+kernel_ceilings = _speedup_by_m(
+    "kernels", ["layer"], "op", "What physics allows the NVFP4 matmul over cuBLAS BF16 on each "
+    "card (collect.kernel_ceiling: its fewest bytes at the measured copy bandwidth or its "
+    "multiply at cuBLAS's best rate, whichever is longer), laid out as the kernels table.",
+    value="ceiling_vs_bf16")
 kernel_paths = _speedup_by_m("kernel_paths", ["layer", "op"], "path",
                              "Each path of the NVFP4 matmul over cuBLAS BF16, a column per M: "
                              "where the fastest path changes is a crossover.")
@@ -471,7 +477,7 @@ TABLES = {
     "headline": headline, "accuracy": accuracy, "external": external, "training": training,
     "science": science, "science_contrasts": science_contrasts,
     "entropy": entropy, "rollout": rollout, "rollout_phases": rollout_phases,
-    "kernels": kernels, "kernel_paths": kernel_paths,
+    "kernels": kernels, "kernel_ceilings": kernel_ceilings, "kernel_paths": kernel_paths,
     "token_tiles": token_tiles,
     "decode_step": decode_step, "efficiency": efficiency,
     **{kind: listing(kind) for kind in ("memory", "quantize", "fidelity", "footprint")},

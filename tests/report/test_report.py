@@ -474,6 +474,34 @@ def test_a_decode_step_shows_its_time_outside_its_kernels_where_measured(tmp_pat
     assert table.loc[64, "nvfp4"] == 6.5
 
 
+def test_a_kernel_ceiling_is_the_longer_of_its_bytes_and_its_multiply(tmp_path):
+    """The ceiling over cuBLAS BF16 at a few rows is the weight's bytes (floor_us), at many
+    its multiply at the best rate cuBLAS reached on that card from RATE_FROM_M rows; a card
+    with no such row has none. Its table is laid out as the kernels table."""
+    flops = 2 * 1024 * 2048  # a row's multiply: 2 M N K
+
+    def row(card, m, bf16_us, floor_us):
+        return {"card": card, "model": "qwen2.5-7b", "layer": "down", "op": "fwd", "M": m,
+                "N": 1024, "K": 2048, "bf16_us": bf16_us, "ours_us": bf16_us / 2,
+                "floor_us": floor_us, "speedup_vs_bf16": 2.0, "date": "2026-01-01 10:00"}
+
+    rate = flops * 2048 / 100.0  # cuBLAS's best: M = 2048 in 100 us (4096 runs slower)
+    results = tmp_path / "results"
+    write(results / "bench/kernels/kernels_a.csv",
+          [row(CARD, 1, 10.0, 2.0), row(CARD, 512, 40.0, 3.0), row(CARD, 2048, 100.0, 5.0),
+           row(CARD, 4096, 250.0, 9.0), row("NVIDIA H200", 1, 10.0, 2.0)])
+    frame = collect(results).frames["kernels"].set_index(["card", "M"]).ceiling_vs_bf16
+    assert frame[CARD, 1] == pytest.approx(10.0 / 2.0)  # bytes: the multiply takes ~0.05 us
+    assert frame[CARD, 512] == pytest.approx(40.0 / (flops * 512 / rate))  # multiply: 25 us
+    assert frame[CARD, 2048] == pytest.approx(1.0)
+    assert frame[CARD, 4096] == pytest.approx(250.0 / 200.0)
+    assert pd.isna(frame["NVIDIA H200", 1])  # no row of 2048 or more: no rate
+    report(results)
+    table = pd.read_csv(results / "tables/kernel_ceilings.csv").set_index("card")
+    assert table.loc[CARD, "M=512"] == pytest.approx(1.6)
+    assert pd.isna(table.loc["NVIDIA H200", "M=1"])
+
+
 def test_busy_time_counts_overlapping_kernels_once():
     from qerl.bench.decode_step import busy_ms
 
