@@ -336,7 +336,7 @@ def _speedup_by_m(kind: str, index: list[str], method: str, doc: str,
 
     def table(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
         ours = frames.get(kind)
-        if ours is None:
+        if ours is None or value not in ours:
             return pd.DataFrame()
         keys = ["card", "model", *index, "method"]
         wide = _wide(ours, keys, "M", value)
@@ -422,14 +422,15 @@ def headline(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
     step) and the card, taken from the tables beside it: rollout tokens/s of NVFP4 over
     BF16 and over vLLM on the same weights (7B, LoRA r32, prompt 256, 1024 generated), one
     RL step of qerl over LoRA, the NVFP4 matmul over cuBLAS BF16 (7B and 32B gate_up and
-    down, forward), and the largest RL step that ran on one card."""
+    down, forward, beside the most the card allows it: ``kernel_ceilings``), and the largest
+    RL step that ran on one card."""
     rows = []
 
-    def add(claim, card, setting, value, unit, source, paper_value=None):
+    def add(claim, card, setting, value, unit, source, paper_value=None, ceiling=None):
         if pd.notna(value):
             rows.append({"claim": claim, "card": card, "setting": setting,
                          "value": value, "unit": unit, "paper": paper_value,
-                         "table": source})
+                         "ceiling": ceiling, "table": source})
 
     roll = rollout(frames, paper)
     if not roll.empty:
@@ -463,13 +464,17 @@ def headline(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
                 "efficiency.md")
     matmul = kernels(frames, paper)
     if not matmul.empty:
+        keys = ["card", "model", "layer", "op"]
+        bounds = kernel_ceilings(frames, paper)
+        bounds = {tuple(b[keys]): b for _, b in bounds.iterrows()} if len(bounds) else {}
         chosen = matmul[matmul.model.isin(HEADLINE_KERNELS["models"])
                         & matmul.layer.isin(HEADLINE_KERNELS["layers"]) & (matmul.op == "fwd")]
         for _, r in chosen.iterrows():
+            bound = bounds.get(tuple(r[keys]), {})
             for m in HEADLINE_KERNELS["m"]:
                 add("NVFP4 matmul / cuBLAS BF16 (speed)", r.card,
                     f"{r.model} {r.layer}, forward, M = {m} rows", r.get(f"M={m}"), "x",
-                    "kernels.md")
+                    "kernels.md", ceiling=bound.get(f"M={m}"))
     return pd.DataFrame(rows)
 
 

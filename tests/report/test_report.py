@@ -477,7 +477,8 @@ def test_a_decode_step_shows_its_time_outside_its_kernels_where_measured(tmp_pat
 def test_a_kernel_ceiling_is_the_longer_of_its_bytes_and_its_multiply(tmp_path):
     """The ceiling over cuBLAS BF16 at a few rows is the weight's bytes (floor_us), at many
     its multiply at the best rate cuBLAS reached on that card from RATE_FROM_M rows; a card
-    with no such row has none. Its table is laid out as the kernels table."""
+    with no such row has none. Its table is laid out as the kernels table, and the headline
+    puts it beside the speed-up."""
     flops = 2 * 1024 * 2048  # a row's multiply: 2 M N K
 
     def row(card, m, bf16_us, floor_us):
@@ -500,6 +501,8 @@ def test_a_kernel_ceiling_is_the_longer_of_its_bytes_and_its_multiply(tmp_path):
     table = pd.read_csv(results / "tables/kernel_ceilings.csv").set_index("card")
     assert table.loc[CARD, "M=512"] == pytest.approx(1.6)
     assert pd.isna(table.loc["NVIDIA H200", "M=1"])
+    headline = pd.read_csv(results / "tables/headline.csv").set_index(["card", "setting"])
+    assert headline.loc[(CARD, "qwen2.5-7b down, forward, M = 1 rows"), "ceiling"] == 5.0
 
 
 def test_busy_time_counts_overlapping_kernels_once():
