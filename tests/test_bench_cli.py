@@ -279,3 +279,48 @@ def test_rollout_benchmarks_measure_the_batches_whose_cache_fits(monkeypatch, ca
     assert "batch 4: not measured" in said
     monkeypatch.setattr(engine_module, "free_bytes", lambda device: 99 * per_token)
     assert largest_engine(model, [1, 2], 100) == (None, [])
+
+
+def test_a_decode_steps_kernel_time_is_summed_by_the_part_it_does(monkeypatch):
+    """Kernels named as an H200's profiles name them fall in their part of the step (the
+    rest in "other"), the parts add up to the step's kernel time, and the sampling of the
+    step's tokens is profiled on its own (CPU, a tiny engine, the profiler's events given)."""
+    from types import SimpleNamespace
+
+    from qerl.bench import decode_step
+    from qerl.rollout import Engine
+    from tests.rollout.test_engine import tiny
+
+    names = {"nvjet_sm90_tst_320x64_64x4_4x1_v_bz_TNT": "matmul",
+             "void (anonymous namespace)::nvfp4_gemm_kernel<tr": "matmul",
+             "void cublasLt::splitKreduce_kernel<32, 16, int, ": "matmul",
+             "void cutlass::Kernel2<cutlass_80_simt_sgemm_64x6": "matmul",
+             "lora_shrink_kernel": "lora", "lora_expand_kernel": "lora",
+             "decode_split_kernel": "attention",
+             "cudnn_generated_fort_native_sdpa_sm80_flash_fpro": "attention",
+             "rms_norm_kernel": "norm", "rotary_cache_kernel": "norm",
+             "void at::native::unrolled_elementwise_kernel<at:": "other"}
+    assert {name: decode_step.part_of(name) for name in names} == names
+
+    def event(key, us, count=1):
+        return SimpleNamespace(key=key, device_time_total=us, count=count)
+
+    step = [event(name, 100.0 * (i + 1)) for i, name in enumerate(names)]
+    step.append(event("cudaLaunchKernel", 0.0))  # an API call: no device time
+    profiles = iter([step, [event("sample_partial_kernel", 30.0),
+                            event("sample_combine_kernel", 20.0)]])
+
+    def profiled(fn):
+        fn()
+        return SimpleNamespace(key_averages=lambda: next(profiles))
+
+    monkeypatch.setattr(decode_step, "_profiled", profiled)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    engine = Engine(tiny("qwen2", torch.float32, 0), max_batch=2, max_seq_len=16, fused=False)
+    ids = torch.zeros((2, 1), dtype=torch.long)
+    kernels, kernel_ms, top, parts = decode_step._kernels(engine, ids, 4, torch.tensor(4), 2)
+    assert kernels == len(names) and top.startswith("void at::native::unrolled")
+    assert kernel_ms == pytest.approx(sum(100.0 * (i + 1) for i in range(len(names))) / 1e3)
+    assert parts == pytest.approx({"matmul": 1.0, "lora": 1.1, "attention": 1.5, "norm": 1.9,
+                                   "other": 1.1, "sampling": 0.05})
+    assert sum(v for k, v in parts.items() if k != "sampling") == pytest.approx(kernel_ms)

@@ -10,7 +10,10 @@ spends between kernels (each graph node's launch, a kernel waiting on the one be
     qerl bench decode-step --archs qwen2.5-7b --batches 1,32 --slot 700
 
 The cache holds ``--slot`` tokens of context (a mid-rollout step at prompt 256 / generate
-1024). Kernels are counted by torch.profiler over one eager step.
+1024). Kernels are counted by torch.profiler over one eager step, and their time summed by
+the part of the step they do (``PARTS``: ``matmul_ms``, ``lora_ms``, ``attention_ms``,
+``norm_ms``, ``other_ms``), beside the sampling of the step's tokens (``sampling_ms``, not
+part of the replay).
 """
 
 from __future__ import annotations
@@ -29,6 +32,26 @@ from qerl.help_format import HelpFormatter
 from qerl.policy import build_policy
 from qerl.record import append_rows, per_card, provenance
 from qerl.rollout import Engine, SamplingParams
+from qerl.rollout.sampling import sample
+
+# The parts of a step, told by their kernels' names (the first that matches): LoRA's own
+# kernels, the projections' and lm_head's matmuls (ours, cuBLAS's and their split-K
+# reductions), attention over the cache, the norms with rotary; casts, copies and
+# reductions are "other". The model's own modules (fused=0) run LoRA as cuBLAS GEMMs and
+# casts: there LoRA's time is in matmul and other.
+PARTS = {
+    "lora": ("lora_",),
+    "matmul": ("nvfp4_", "nvjet", "gemm", "gemv", "cutlass", "splitkreduce", "xmma"),
+    "attention": ("decode_split", "decode_combine", "sdpa", "flash", "fmha", "attention"),
+    "norm": ("rms_norm", "rotary"),
+}
+
+
+def part_of(kernel: str) -> str:
+    """The part of a decode step (a key of PARTS, or "other") a kernel's name says it does."""
+    name = kernel.lower()
+    return next((part for part, marks in PARTS.items() if any(m in name for m in marks)),
+                "other")
 
 
 def _replay_ms(engine: Engine, ids: torch.Tensor, slot: int, at: torch.Tensor,
@@ -63,20 +86,33 @@ def _profiled(fn):
     return prof
 
 
+def _device_events(prof) -> list:
+    """The profile's kernels, longest first (the API calls carry no device time)."""
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(events, key=lambda e: -e.device_time_total)
+
+
 def _kernels(engine: Engine, ids, slot: int, at: torch.Tensor, batch: int
-             ) -> tuple[int, float, str]:
+             ) -> tuple[int, float, str, dict[str, float]]:
+    """(kernels, their summed ms, the five longest, ms by part: ``PARTS`` and sampling) of
+    one eager step."""
     cache = engine._view(batch, engine._span(slot))
     with torch.no_grad():
-        engine.decoder(ids, at, cache)
+        logits = engine.decoder(ids, at, cache)
         torch.cuda.synchronize()
-        prof = _profiled(lambda: engine.decoder(ids, at, cache))
-    # Device-side events only (the API calls carry no device time).
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    events.sort(key=lambda e: -e.device_time_total)
+        events = _device_events(_profiled(lambda: engine.decoder(ids, at, cache)))
+        draw = SamplingParams(max_new_tokens=1)  # temperature 1, as the rollouts sample
+        sample(logits, draw, None, fused=engine.decoder.fused)
+        sampling = _device_events(_profiled(
+            lambda: sample(logits, draw, None, fused=engine.decoder.fused)))
     top = "; ".join(f"{e.key[:48]} x{e.count} {e.device_time_total / 1e3:.2f}ms"
                     for e in events[:5])
+    parts = dict.fromkeys([*PARTS, "other"], 0.0)
+    for e in events:
+        parts[part_of(e.key)] += e.device_time_total / 1e3
+    parts["sampling"] = sum(e.device_time_total for e in sampling) / 1e3
     summed_ms = sum(e.device_time_total for e in events) / 1e3
-    return sum(e.count for e in events), summed_ms, top
+    return sum(e.count for e in events), summed_ms, top, parts
 
 
 def _replay_busy_ms(engine: Engine, ids, slot: int, at: torch.Tensor, kernels: int
@@ -106,13 +142,14 @@ def measure(arch: str, weights: str, rank: int, batches: list[int], slot: int) -
             at = torch.tensor(slot, device="cuda")
             with engine._eval():
                 step_ms = _replay_ms(engine, ids, slot, at)
-                kernels, kernel_ms, top = _kernels(engine, ids, slot, at, batch)
+                kernels, kernel_ms, top, parts = _kernels(engine, ids, slot, at, batch)
                 busy = _replay_busy_ms(engine, ids, slot, at, kernels)
             rows.append({"model": arch, "weights": weights, "lora_rank": rank,
                          "fused": int(fused), "batch": batch, "context": slot,
                          "step_ms": round(step_ms, 3), "kernels": kernels,
                          "kernel_ms": round(kernel_ms, 3),
                          "busy_ms": None if busy is None else round(busy, 3),
+                         **{f"{part}_ms": round(ms, 3) for part, ms in parts.items()},
                          "top_kernels": top})
             print(f"  {weights} fused={int(fused)} batch {batch}: {step_ms:.2f} ms, "
                   f"{kernels} kernels taking {kernel_ms:.2f} ms, busy in a replay "

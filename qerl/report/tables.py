@@ -388,6 +388,22 @@ def decode_step(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame
     return _sorted(wide, ["card", "model", "fused", "batch"])
 
 
+STEP_PARTS = ("matmul_ms", "lora_ms", "attention_ms", "norm_ms", "other_ms")
+
+
+def decode_step_parts(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Where a decode step's kernel time goes, for the steps whose kernels were summed by
+    part (qerl/bench/decode_step.py's PARTS: an eager step profiled), beside its replay's
+    time, and the sampling of its tokens after it (not in the replay)."""
+    ours = frames.get("decode_step")
+    if ours is None or "matmul_ms" not in ours:
+        return pd.DataFrame()
+    rows = ours[ours.matmul_ms.notna()].rename(columns={"method": "weights"})
+    columns = ["card", "model", "weights", *KINDS["decode_step"].setting, "step_ms",
+               *STEP_PARTS, "sampling_ms"]
+    return _sorted(rows[_present(rows, columns)], ["card", "model", "fused", "batch"])
+
+
 def efficiency(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
     """One RL step per model, method and settings: each phase's time, the step's time
     against LoRA's from the same run (``collect.speed_vs_lora``), the paper's end-to-end
@@ -484,6 +500,7 @@ TABLES = {
     "entropy": entropy, "rollout": rollout, "rollout_phases": rollout_phases,
     "kernels": kernels, "kernel_ceilings": kernel_ceilings, "kernel_paths": kernel_paths,
     "token_tiles": token_tiles,
-    "decode_step": decode_step, "efficiency": efficiency,
+    "decode_step": decode_step, "decode_step_parts": decode_step_parts,
+    "efficiency": efficiency,
     **{kind: listing(kind) for kind in ("memory", "quantize", "fidelity", "footprint")},
 }
