@@ -324,3 +324,36 @@ def test_a_decode_steps_kernel_time_is_summed_by_the_part_it_does(monkeypatch):
     assert parts == pytest.approx({"matmul": 1.0, "lora": 1.1, "attention": 1.5, "norm": 1.9,
                                    "other": 1.1, "sampling": 0.05})
     assert sum(v for k, v in parts.items() if k != "sampling") == pytest.approx(kernel_ms)
+
+
+def test_a_prefill_is_timed_with_the_time_its_kernels_run(monkeypatch):
+    """The decode-step benchmark's prefill (CPU, a tiny engine, the profiler's kernels
+    given): its wall time, and the union of its kernels' spans; the call fills the cache of
+    as many prompts as asked, after a warm-up of the same shape."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from qerl.bench import decode_step
+    from qerl.rollout import Engine
+    from tests.rollout.test_engine import tiny
+
+    def kernel(start, end):
+        return SimpleNamespace(device_type=DeviceType.CUDA,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    def profiled(fn):
+        fn()
+        host = SimpleNamespace(device_type=DeviceType.CPU,
+                               time_range=SimpleNamespace(start=0.0, end=5000.0))
+        return SimpleNamespace(events=lambda: [host, kernel(0.0, 300.0), kernel(100.0, 400.0),
+                                               kernel(1000.0, 1200.0)])
+
+    monkeypatch.setattr(decode_step, "_profiled", profiled)
+    engine = Engine(tiny("qwen2", torch.float32, 0), max_batch=3, max_seq_len=16, fused=False)
+    prefills = []
+    run = Engine._prefill
+    monkeypatch.setattr(Engine, "_prefill",
+                        lambda self, ids, pad: prefills.append(ids.shape) or run(self, ids, pad))
+    wall, busy = decode_step._prefill_ms(engine, 3, 7)
+    assert prefills == [(3, 7)] * 3 and busy == pytest.approx(0.6) and wall > 0

@@ -13,7 +13,9 @@ The cache holds ``--slot`` tokens of context (a mid-rollout step at prompt 256 /
 1024). Kernels are counted by torch.profiler over one eager step, and their time summed by
 the part of the step they do (``PARTS``: ``matmul_ms``, ``lora_ms``, ``attention_ms``,
 ``norm_ms``, ``other_ms``), beside the sampling of the step's tokens (``sampling_ms``, not
-part of the replay).
+part of the replay). Beside each step, a prefill of ``--prefill-len`` tokens a sequence is
+timed (``prefill_ms``) with the time some kernel of it runs (``prefill_busy_ms``): at few
+sequences the host launching the prefill's kernels, not the GPU, can set its time.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 from qerl.bench.rollout import WEIGHTS
-from qerl.bench.throughput import largest_engine
+from qerl.bench.throughput import largest_engine, timed
 from qerl.config import LoraSettings
 from qerl.help_format import HelpFormatter
 from qerl.policy import build_policy
@@ -124,17 +126,39 @@ def _replay_busy_ms(engine: Engine, ids, slot: int, at: torch.Tensor, kernels: i
     from torch.autograd import DeviceType
 
     prof = _profiled(lambda: engine._decode(ids, slot, at))
-    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
-             if e.device_type == DeviceType.CUDA]
-    return busy_ms(spans) if len(spans) >= kernels else None
+    seen = sum(e.device_type == DeviceType.CUDA for e in prof.events())
+    return _spans_ms(prof) if seen >= kernels else None
 
 
-def measure(arch: str, weights: str, rank: int, batches: list[int], slot: int) -> list[dict]:
+def _spans_ms(prof) -> float:
+    """busy_ms of the CUDA kernels a profile recorded."""
+    from torch.autograd import DeviceType
+
+    return busy_ms([(e.time_range.start, e.time_range.end) for e in prof.events()
+                    if e.device_type == DeviceType.CUDA])
+
+
+def _prefill_ms(engine: Engine, batch: int, length: int) -> tuple[float, float]:
+    """(wall ms, busy ms) of a prefill of ``batch`` new prompts of ``length`` tokens (after
+    one of the same shape): the call's time, and the time some kernel of it runs; the rest
+    is the GPU waiting on the host to launch them."""
+    def prefill():
+        ids = torch.randint(0, engine.model.config.vocab_size, (batch, length))
+        engine._prefill(ids, torch.zeros(batch, dtype=torch.long))
+
+    with engine._eval():
+        prefill()
+        wall = timed(prefill) * 1e3
+        return wall, _spans_ms(_profiled(prefill))
+
+
+def measure(arch: str, weights: str, rank: int, batches: list[int], slot: int,
+            prefill_len: int) -> list[dict]:
     policy = build_policy(WEIGHTS[weights], arch=arch, device="cuda",
                           lora=LoraSettings(rank=rank, alpha=rank))
     rows = []
     for fused in (True, False):
-        engine, fit = largest_engine(policy, batches, slot + 2, fused=fused)
+        engine, fit = largest_engine(policy, batches, max(slot, prefill_len) + 2, fused=fused)
         for batch in fit:
             prompts = torch.randint(0, 1000, (batch, slot)).tolist()
             engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
@@ -144,16 +168,20 @@ def measure(arch: str, weights: str, rank: int, batches: list[int], slot: int) -
                 step_ms = _replay_ms(engine, ids, slot, at)
                 kernels, kernel_ms, top, parts = _kernels(engine, ids, slot, at, batch)
                 busy = _replay_busy_ms(engine, ids, slot, at, kernels)
+            prefill_ms, prefill_busy = _prefill_ms(engine, batch, prefill_len)
             rows.append({"model": arch, "weights": weights, "lora_rank": rank,
                          "fused": int(fused), "batch": batch, "context": slot,
                          "step_ms": round(step_ms, 3), "kernels": kernels,
                          "kernel_ms": round(kernel_ms, 3),
                          "busy_ms": None if busy is None else round(busy, 3),
                          **{f"{part}_ms": round(ms, 3) for part, ms in parts.items()},
-                         "top_kernels": top})
+                         "prefill_len": prefill_len, "prefill_ms": round(prefill_ms, 3),
+                         "prefill_busy_ms": round(prefill_busy, 3), "top_kernels": top})
             print(f"  {weights} fused={int(fused)} batch {batch}: {step_ms:.2f} ms, "
                   f"{kernels} kernels taking {kernel_ms:.2f} ms, busy in a replay "
-                  f"{'(not seen)' if busy is None else f'{busy:.2f} ms'}", flush=True)
+                  f"{'(not seen)' if busy is None else f'{busy:.2f} ms'}; a prefill of "
+                  f"{prefill_len} tokens {prefill_ms:.1f} ms, busy {prefill_busy:.1f} ms",
+                  flush=True)
         del engine
         gc.collect()
     return rows
@@ -168,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--slot", type=int, default=700)
+    parser.add_argument("--prefill-len", type=int, default=256,
+                        help="prompt tokens of the prefill timed beside each step")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("qerl bench decode-step: needs a CUDA GPU (none found)")
@@ -176,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     for arch in args.archs.split(","):
         for weights in args.weights.split(","):
-            rows = measure(arch, weights, args.rank, batches, args.slot)
+            rows = measure(arch, weights, args.rank, batches, args.slot, args.prefill_len)
             append_rows(path, [{**base, **row} for row in rows])
             gc.collect()
             torch.cuda.empty_cache()

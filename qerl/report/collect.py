@@ -273,7 +273,7 @@ KINDS = {
                         setting=("lora_rank", "fused", "batch", "context"),
                         metrics=("step_ms", "kernels", "kernel_ms", "busy_ms", "matmul_ms",
                                  "lora_ms", "attention_ms", "norm_ms", "other_ms",
-                                 "sampling_ms")),
+                                 "sampling_ms", "prefill_ms", "prefill_busy_ms")),
     "step": Kind(("bench/**/efficiency_*.csv",), setting=STEP_SETTINGS,
                  metrics=("step_s", "rollout_s", "score_s", "train_s", "optimizer_s",
                           "rollout_tok_per_s", "peak_gb", "speed_vs_lora"),

@@ -394,13 +394,14 @@ STEP_PARTS = ("matmul_ms", "lora_ms", "attention_ms", "norm_ms", "other_ms")
 def decode_step_parts(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
     """Where a decode step's kernel time goes, for the steps whose kernels were summed by
     part (qerl/bench/decode_step.py's PARTS: an eager step profiled), beside its replay's
-    time, and the sampling of its tokens after it (not in the replay)."""
+    time, the sampling of its tokens after it (not in the replay), and a prefill of as
+    many sequences: its time and the time some kernel of it runs."""
     ours = frames.get("decode_step")
     if ours is None or "matmul_ms" not in ours:
         return pd.DataFrame()
     rows = ours[ours.matmul_ms.notna()].rename(columns={"method": "weights"})
     columns = ["card", "model", "weights", *KINDS["decode_step"].setting, "step_ms",
-               *STEP_PARTS, "sampling_ms"]
+               *STEP_PARTS, "sampling_ms", "prefill_len", "prefill_ms", "prefill_busy_ms"]
     return _sorted(rows[_present(rows, columns)], ["card", "model", "fused", "batch"])
 
 

@@ -476,12 +476,14 @@ def test_a_decode_step_shows_its_time_outside_its_kernels_where_measured(tmp_pat
 
 def test_a_decode_steps_parts_are_listed_where_its_kernels_were_summed_by_part(tmp_path):
     """The parts table lists each step whose kernel time was summed by part, with its replay
-    time and its sampling; a row from before the parts were recorded is not listed."""
+    time, its sampling and a prefill's times; a row from before the parts were recorded is
+    not listed."""
     parts = {"matmul_ms": 4.4, "lora_ms": 1.8, "attention_ms": 1.4, "norm_ms": 0.3,
              "other_ms": 0.5, "sampling_ms": 0.1}
     rows = [{"date": "2026-01-02 10:00", "card": CARD, "model": "m", "weights": "nvfp4",
              "lora_rank": 32, "fused": 1, "batch": 128, "context": 700, "step_ms": 8.2,
-             "kernels": 381, "kernel_ms": 8.4, "busy_ms": 8.1, **parts},
+             "kernels": 381, "kernel_ms": 8.4, "busy_ms": 8.1, **parts, "prefill_len": 256,
+             "prefill_ms": 90.0, "prefill_busy_ms": 12.0},
             {"date": "2026-01-02 10:00", "card": CARD, "model": "m", "weights": "nvfp4",
              "lora_rank": 32, "fused": 1, "batch": 64, "context": 700, "step_ms": 6.0,
              "kernels": 381, "kernel_ms": 6.3, "busy_ms": 5.8}]
@@ -491,6 +493,8 @@ def test_a_decode_steps_parts_are_listed_where_its_kernels_were_summed_by_part(t
     assert table.batch.tolist() == [128] and table.weights.tolist() == ["nvfp4"]
     assert table.iloc[0][list(parts)].tolist() == pytest.approx(list(parts.values()))
     assert table.step_ms.tolist() == [8.2]
+    assert table[["prefill_len", "prefill_ms", "prefill_busy_ms"]].values.tolist() == [
+        [256, 90.0, 12.0]]
 
 
 def test_a_kernel_ceiling_is_the_longer_of_its_bytes_and_its_multiply(tmp_path):
