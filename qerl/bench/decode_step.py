@@ -104,9 +104,12 @@ def _kernels(engine: Engine, ids, slot: int, at: torch.Tensor, batch: int
         torch.cuda.synchronize()
         events = _device_events(_profiled(lambda: engine.decoder(ids, at, cache)))
         draw = SamplingParams(max_new_tokens=1)  # temperature 1, as the rollouts sample
-        sample(logits, draw, None, fused=engine.decoder.fused)
-        sampling = _device_events(_profiled(
-            lambda: sample(logits, draw, None, fused=engine.decoder.fused)))
+
+        def draw_tokens():
+            return sample(logits, draw, None, fused=engine.decoder.fused)
+
+        draw_tokens()
+        sampling = _device_events(_profiled(draw_tokens))
     top = "; ".join(f"{e.key[:48]} x{e.count} {e.device_time_total / 1e3:.2f}ms"
                     for e in events[:5])
     parts = dict.fromkeys([*PARTS, "other"], 0.0)
@@ -123,19 +126,16 @@ def _replay_busy_ms(engine: Engine, ids, slot: int, at: torch.Tensor, kernels: i
     timed (an eager step profiled ran the side stream's beside none: its union equalled
     its sum). None where the profiler shows fewer kernels in the replay than the eager
     step launched: the union of some would pass for the step's."""
+    spans = _kernel_spans(_profiled(lambda: engine._decode(ids, slot, at)))
+    return busy_ms(spans) if len(spans) >= kernels else None
+
+
+def _kernel_spans(prof) -> list[tuple[float, float]]:
+    """(start, end) in us of each CUDA kernel a profile recorded."""
     from torch.autograd import DeviceType
 
-    prof = _profiled(lambda: engine._decode(ids, slot, at))
-    seen = sum(e.device_type == DeviceType.CUDA for e in prof.events())
-    return _spans_ms(prof) if seen >= kernels else None
-
-
-def _spans_ms(prof) -> float:
-    """busy_ms of the CUDA kernels a profile recorded."""
-    from torch.autograd import DeviceType
-
-    return busy_ms([(e.time_range.start, e.time_range.end) for e in prof.events()
-                    if e.device_type == DeviceType.CUDA])
+    return [(e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == DeviceType.CUDA]
 
 
 def _prefill_ms(engine: Engine, batch: int, length: int) -> tuple[float, float]:
@@ -149,7 +149,7 @@ def _prefill_ms(engine: Engine, batch: int, length: int) -> tuple[float, float]:
     with engine._eval():
         prefill()
         wall = timed(prefill) * 1e3
-        return wall, _spans_ms(_profiled(prefill))
+        return wall, busy_ms(_kernel_spans(_profiled(prefill)))
 
 
 def measure(arch: str, weights: str, rank: int, batches: list[int], slot: int,
