@@ -20,7 +20,7 @@ A number's ``key()`` (kind/model/recipe/method/bench/metric) names it uniquely a
 so expected values can refer to it; ``bench`` joins the columns that set the measurement
 (e.g. ``lora_rank=32,batch=16,...``), or names the step or benchmark. For measurements
 RECIPE is the card. Where a file holds a measurement twice (a benchmark rerun appends), the
-later row wins.
+later row wins; the rows it replaced stay readable under ``every(kind)``, for ratios.
 """
 
 from __future__ import annotations
@@ -48,6 +48,13 @@ TRAIN_METRICS = ("reward", "entropy", "loss", "step_time", "rollout/tokens_per_s
 PAIR_WINDOW_HOURS = 1.0
 STEP_SETTINGS = ("lora_rank", "prompts", "generations", "completion", "micro_batch",
                  "grad_ckpt")
+
+
+def every(kind: str) -> str:
+    """The frame key of all rows of ``kind``, those a later row replaced too: a ratio pairs
+    two methods' rows from one run, and a later run of one method alone must not hide the
+    pair an earlier run measured."""
+    return f"{kind}:every"
 
 
 class ResultsError(QerlError):
@@ -306,9 +313,10 @@ class Results:
     files: set[Path]
 
 
-def read(name: str, paths: list[Path]) -> tuple[pd.DataFrame, set[Path]]:
-    """The frame of kind ``name`` from ``paths``, and the files read for it (a training
-    run's provenance and settings beside its metrics)."""
+def read(name: str, paths: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame, set[Path]]:
+    """The frame of kind ``name`` from ``paths`` (a measurement's latest row), every row
+    read (oldest first), and the files read for it (a training run's provenance and
+    settings beside its metrics)."""
     kind = KINDS[name]
     parts, files = [], set()
     for path in paths:
@@ -327,7 +335,7 @@ def read(name: str, paths: list[Path]) -> tuple[pd.DataFrame, set[Path]]:
             raise ResultsError(f"{path}: {name} results need the column(s) {missing}")
         parts.append(frame.assign(source=str(path)))
     if not parts:
-        return pd.DataFrame(), files
+        return pd.DataFrame(), pd.DataFrame(), files
     frame = pd.concat(parts, ignore_index=True)
     for column in ("card", *kind.setting):  # a file older than the column lacks it
         if column not in frame:
@@ -339,10 +347,10 @@ def read(name: str, paths: list[Path]) -> tuple[pd.DataFrame, set[Path]]:
     label = kind.label or _setting_label(kind.setting, kind.defaults)
     frame["bench"] = [label(row) for row in frame.to_dict("records")]
     identity = [*IDENTITY, "metric"] if kind.long else IDENTITY
-    frame = frame.drop_duplicates(identity, keep="last").reset_index(drop=True)
+    latest = frame.drop_duplicates(identity, keep="last").reset_index(drop=True)
     if kind.derive is not None:
-        frame = kind.derive(frame)
-    return frame, files
+        latest = kind.derive(latest)
+    return latest, frame, files
 
 
 def _long(name: str, kind: Kind, frame: pd.DataFrame) -> list[dict]:
@@ -362,10 +370,10 @@ def collect(results: Path) -> Results:
     frames, files, rows = {}, set(), []
     for name, kind in KINDS.items():
         paths = [path for pattern in kind.patterns for path in sorted(results.glob(pattern))]
-        frame, read_files = read(name, paths)
+        frame, rows_read, read_files = read(name, paths)
         files |= read_files
         if not frame.empty:
-            frames[name] = frame
+            frames[name], frames[every(name)] = frame, rows_read
             rows += _long(name, kind, frame)
     values = pd.DataFrame(rows, columns=COLUMNS)
     values["key"] = [key(row) for row in values.to_dict("records")] if len(values) else []

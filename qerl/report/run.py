@@ -10,7 +10,7 @@ import pandas as pd
 
 from qerl.errors import QerlError
 from qerl.report.check import DriftError, check
-from qerl.report.collect import collect, read
+from qerl.report.collect import collect, every, read
 from qerl.report.figures import FIGURES
 from qerl.report.tables import TABLES
 
@@ -104,8 +104,9 @@ TABLE_OF = {"step": "efficiency", "eval": "accuracy", "train": "training",
 def summary(kind: str, path: Path) -> str:
     """Markdown: the table of one results file of ``kind`` (what a benchmark prints when
     it has written its rows)."""
-    frame, _ = read(kind, [path])
+    frame, rows_read, _ = read(kind, [path])
     if frame.empty:
         return ""
-    table = TABLES[TABLE_OF.get(kind, kind)]({kind: frame}, read_paper())
+    table = TABLES[TABLE_OF.get(kind, kind)]({kind: frame, every(kind): rows_read},
+                                             read_paper())
     return table.to_markdown(index=False, floatfmt=".4g")

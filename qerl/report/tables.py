@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 
 from qerl.methods import METHODS
-from qerl.report.collect import KINDS, MISMATCH, different_runs
+from qerl.report.collect import KINDS, MISMATCH, different_runs, every
 from qerl.rl.phases import PHASES
 
 PAPER_METRIC = {"gsm8k": "gsm8k_accuracy", "math500": "math500_accuracy"}
@@ -50,32 +50,43 @@ def _wide(frame: pd.DataFrame, index: list[str], columns: str, values: str) -> p
     return wide.reset_index()
 
 
-def _by_weights(frame: pd.DataFrame, kind: str, value: str, speedup: str,
-                more: tuple = ()) -> pd.DataFrame:
-    """A row per card, model and setting of ``kind``, a column of ``value`` per weights, and
-    NVFP4's speed-up over BF16 (``speedup``: "nvfp4/bf16" for a rate, "bf16/nvfp4" for a
-    time) where both ran in one run (``ratio``), and the ratios ``more`` names as
-    (column, over, under)."""
+def _by_weights(frames: dict, kind: str, value: str, speedup: str, more: tuple = (),
+                rows=lambda frame: frame) -> pd.DataFrame:
+    """A row per card, model and setting of ``kind``, a column of ``value`` per weights (the
+    latest row of each), and NVFP4's speed-up over BF16 (``speedup``: "nvfp4/bf16" for a
+    rate, "bf16/nvfp4" for a time) and the ratios ``more`` names as (column, over, under),
+    each from one run (``run_ratio``). ``rows`` shapes the frame and every row read alike."""
     index = ["card", "model", *KINDS[kind].setting]
-    wide = _wide(frame, index, "method", value)
-    dates = _wide(frame, index, "method", "date") if "date" in frame else None
-    versions = _wide(frame, index, "method", "qerl") if "qerl" in frame else None
+    latest = rows(frames[kind])
+    measured = rows(frames.get(every(kind), frames[kind]))
+    wide = _wide(latest, index, "method", value)
     for name, over, under in ((speedup, *speedup.split("/")), *more):
-        ratio(wide, dates, versions, name, over, under)
+        if {over, under} <= set(wide.columns):
+            paired = run_ratio(measured[measured.method == over],
+                               measured[measured.method == under], index, value)
+            wide = wide.merge(paired.rename(columns={"ratio": name}), on=index, how="left")
     return wide
 
 
-def ratio(wide: pd.DataFrame, dates: pd.DataFrame | None, versions: pd.DataFrame | None,
-          name: str, over: str, under: str) -> None:
-    """wide[name] = wide[over] / wide[under] where both were measured in one run (dated
-    within PAIR_WINDOW_HOURS, by one qerl version: ``different_runs``): the newest row of
-    each can come from different runs, and a ratio across runs is no ratio."""
-    if not {over, under} <= set(wide.columns):
-        return
-    wide[name] = wide[over] / wide[under]
-    if dates is not None:
-        by = (versions[over], versions[under]) if versions is not None else ()
-        wide.loc[different_runs(dates[over], dates[under], *by).to_numpy(), name] = None
+def run_ratio(over: pd.DataFrame, under: pd.DataFrame, on: list[str], value: str,
+              keep: list[str] | None = None) -> pd.DataFrame:
+    """over[value] / under[value] for the rows alike in ``on``, where both come from one run
+    (dated within PAIR_WINDOW_HOURS, by one qerl version: ``different_runs``; a ratio across
+    runs is no ratio), and where several runs measured both, from the latest of them: a
+    column "ratio" beside ``keep`` (default ``on``; columns of ``over``)."""
+    keep = keep or on
+    stamps = [c for c in ("date", "qerl") if c in over and c in under]
+    both = over[[*keep, value, *stamps]].merge(under[[*on, value, *stamps]], on=on,
+                                               suffixes=("", " under"))
+    if "date" in stamps:
+        versions = (both.qerl, both["qerl under"]) if "qerl" in stamps else ()
+        both = both[~different_runs(both.date, both["date under"], *versions).to_numpy()]
+        latest = pd.concat([pd.to_datetime(both.date), pd.to_datetime(both["date under"])],
+                           axis=1).max(axis=1)
+        both = both.assign(latest=latest).sort_values("latest", kind="stable",
+                                                      na_position="first")
+    both = both.assign(ratio=both[value] / both[f"{value} under"])
+    return both.drop_duplicates(keep, keep="last")[[*keep, "ratio"]]
 
 
 def listing(kind: str):
@@ -255,12 +266,11 @@ def rollout(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
     """Rollout tokens/s by weights (engine; hf-bf16 is Hugging Face generate, vllm-* vLLM),
     NVFP4 over BF16 and the engine over vLLM on the same weights, each from one run, and the
     paper's qerl over LoRA at the same LoRA rank (its 7B number names none)."""
-    ours = frames.get("rollout")
-    if ours is None:
+    if "rollout" not in frames:
         return pd.DataFrame()
-    ours = _beside_engine(ours)
-    wide = _by_weights(ours, "rollout", "tok_per_s", "nvfp4/bf16",
-                       more=[(f"{w}/vllm", w, f"vllm-{w}") for w in ("bf16", "nvfp4")])
+    wide = _by_weights(frames, "rollout", "tok_per_s", "nvfp4/bf16",
+                       more=[(f"{w}/vllm", w, f"vllm-{w}") for w in ("bf16", "nvfp4")],
+                       rows=_beside_engine)
     ref = paper[paper.metric == "rollout_throughput"]
     by_rank = {(paper_model(r.model), r.method, r.lora_rank): r.value for r in ref.itertuples()}
     unranked = {(paper_model(r.model), r.method): r.value for r in ref.itertuples()
@@ -275,7 +285,7 @@ def rollout(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
         qerl, lora = theirs(r.model, "qerl", r.lora_rank), theirs(r.model, "lora", r.lora_rank)
         ratios.append(qerl / lora if qerl and lora else None)
     wide["paper qerl/lora"] = ratios
-    wide = _over_unadapted(ours, wide)
+    wide = _over_unadapted(frames.get(every("rollout"), frames["rollout"]), wide)
     return _sorted(wide, ROLLOUT_ORDER)
 
 
@@ -284,23 +294,16 @@ UNADAPTED = "nvfp4/vllm-bf16 no LoRA"
 
 def _over_unadapted(rows: pd.DataFrame, wide: pd.DataFrame) -> pd.DataFrame:
     """wide[UNADAPTED]: our NVFP4 with its adapter over vLLM's BF16 with none (rank 0) at
-    the same card, model and shape, from one run: what LoRA costs vLLM at large batch is
-    the bar for 4-bit weights carrying an adapter."""
+    the same card, model and shape, from one run (``run_ratio``): what LoRA costs vLLM at
+    large batch is the bar for 4-bit weights carrying an adapter."""
     shape = ["card", "model", "batch", "group", "prompt_len", "gen_len"]
-    stamps = [c for c in ("date", "qerl") if c in rows]
     plain = rows[(rows.method == "vllm-bf16") & (rows.lora_rank == 0)]
     ours = rows[(rows.method == "nvfp4") & (rows.lora_rank > 0) & (rows.fused != 0)]
     if plain.empty or ours.empty:
         return wide
-    both = ours[[*shape, "lora_rank", "fused", "tok_per_s", *stamps]].merge(
-        plain[[*shape, "tok_per_s", *stamps]], on=shape, suffixes=("", " plain"))
-    both[UNADAPTED] = both.tok_per_s / both["tok_per_s plain"]
-    if "date" in both:
-        versions = (both.qerl, both["qerl plain"]) if "qerl" in both else ()
-        both.loc[different_runs(both.date, both["date plain"], *versions).to_numpy(),
-                 UNADAPTED] = None
     keys = [*shape, "lora_rank", "fused"]
-    return wide.merge(both[[*keys, UNADAPTED]], on=keys, how="left")
+    paired = run_ratio(ours, plain, shape, "tok_per_s", keep=keys)
+    return wide.merge(paired.rename(columns={"ratio": UNADAPTED}), on=keys, how="left")
 
 
 def rollout_phases(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -376,7 +379,7 @@ def decode_step(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame
     ours = frames.get("decode_step")
     if ours is None:
         return pd.DataFrame()
-    wide = _by_weights(ours, "decode_step", "step_ms", "bf16/nvfp4")
+    wide = _by_weights(frames, "decode_step", "step_ms", "bf16/nvfp4")
     if "busy_ms" in ours:
         index = ["card", "model", *KINDS["decode_step"].setting]
         # Both recorded to the microsecond: so is their difference.

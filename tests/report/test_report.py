@@ -160,6 +160,31 @@ def test_a_ratio_pairs_rows_of_one_run_only(results):
     assert pd.isna(table.loc[128, "nvfp4/vllm-bf16 no LoRA"])  # two days apart
 
 
+def test_a_later_run_of_one_weights_keeps_the_ratio_an_earlier_run_paired(results):
+    """A run measuring NVFP4 alone (beside vLLM's unadapted BF16) does not empty the
+    ratios an earlier run measured with every weights: each ratio comes from the latest run
+    that measured both of its weights, while each weights' column shows its latest row."""
+    base = {"card": CARD, "model": "qwen2.5-7b", "lora_rank": 32, "batch": 64,
+            "prompt_len": 256, "gen_len": 1024, "fused": 1, "qerl": "0.1.0+a"}
+    rows = [{**base, "weights": w, "date": d, "tok_per_s": t}
+            for w, d, t in [("bf16", "2026-01-01 10:00", 1000.0),
+                            ("nvfp4", "2026-01-01 10:10", 1500.0),
+                            ("vllm-nvfp4", "2026-01-01 10:20", 1000.0),
+                            ("nvfp4", "2026-01-02 10:00", 1900.0),  # a run of NVFP4 alone...
+                            ("bf16", "2026-01-02 10:40", 1000.0),  # ... paired again here
+                            ("nvfp4", "2026-01-03 10:00", 1600.0)]]
+    rows.append({**base, "weights": "vllm-bf16", "lora_rank": 0, "date": "2026-01-03 10:30",
+                 "tok_per_s": 2000.0})
+    write(results / "bench/rollout/rollout_dated.csv", rows)
+    report(results)
+    table = pd.read_csv(results / "tables/rollout.csv")
+    row = table[(table.model == "qwen2.5-7b") & (table.lora_rank == 32)].set_index("batch")
+    assert row.loc[64, "nvfp4"] == 1600.0  # the latest row
+    assert row.loc[64, "nvfp4/bf16"] == pytest.approx(1.9)  # the latest pair: Jan 2
+    assert row.loc[64, "nvfp4/vllm"] == pytest.approx(1.5)  # Jan 1, vLLM not rerun since
+    assert row.loc[64, "nvfp4/vllm-bf16 no LoRA"] == pytest.approx(0.8)  # Jan 3
+
+
 def test_the_rank_figure_compares_one_run_and_stale_outputs_go(tmp_path):
     """A rank panel draws only the ranks its newest run measured: once a later run measures
     one rank alone, the panel (and a figure of it alone) is gone, not left showing ranks
