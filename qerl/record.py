@@ -5,6 +5,8 @@ training runs and evaluations all use it."""
 from __future__ import annotations
 
 import csv
+import functools
+import hashlib
 import importlib.metadata
 import os
 import platform
@@ -47,6 +49,7 @@ def provenance(device: str) -> dict:
         "transformers": transformers.__version__,
         "triton": version("triton"),
         "qerl": code_version(),
+        "qerl_source": source_digest(),
     }
 
 
@@ -57,6 +60,29 @@ def code_version() -> str:
     if not commit:
         return version("qerl")
     return f"{version('qerl')}+{commit[:12]}{'-dirty' if commit.endswith('-dirty') else ''}"
+
+
+# The files a qerl wheel carries (setuptools' packages and package-data in pyproject.toml).
+SOURCE_SUFFIXES = frozenset({".py", ".cu", ".cuh", ".json", ".csv"})
+
+
+@functools.cache
+def source_digest(root: Path | None = None) -> str:
+    """12 hex digits of SHA-256 over a qerl source tree's files (``root``: a checkout's
+    qerl/, by default the package that is running), their paths below it and their bytes.
+    The commit in ``code_version`` is a label the workflow or an image hands on; this
+    names the code itself, so that the rows of an installed qerl older than the checkout
+    that labels them can be told apart (the workflow refuses such a pair)."""
+    root = Path(__file__).parent if root is None else Path(root)
+    digest = hashlib.sha256()
+    files = sorted(Path(folder, name)  # kernels/ is a link in a checkout: followed
+                   for folder, _, names in os.walk(root, followlinks=True)
+                   if "__pycache__" not in Path(folder).parts
+                   for name in names if Path(name).suffix in SOURCE_SUFFIXES)
+    for path in files:
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
 
 
 def per_card(name: str, card: str, suffix: str = ".csv") -> str:

@@ -41,3 +41,25 @@ def test_provenance_names_the_code_that_ran(monkeypatch):
     # A checkout with changes the commit lacks says so (the workflow's "-dirty").
     monkeypatch.setenv("QERL_COMMIT", "8333badc8cc252e518d1be265946552e316f8c86-dirty")
     assert provenance("cpu")["qerl"] == f"{version('qerl')}+8333badc8cc2-dirty"
+
+
+def test_the_source_digest_names_the_code_not_its_place(tmp_path):
+    """The same files give the same digest wherever they lie (a checkout, an installed
+    wheel); a changed byte, a renamed file or a new module change it; bytecode does not."""
+    from qerl.record import source_digest
+
+    def tree(name: str, files: dict[str, str]):
+        for rel, text in files.items():
+            (tmp_path / name / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name / rel).write_text(text)
+        return tmp_path / name
+
+    files = {"a.py": "x = 1\n", "k/g.cu": "// kernel\n", "k/c.json": "{}"}
+    same = source_digest(tree("one", files))
+    assert source_digest(tree("two", files)) == same
+    assert source_digest(tree("cached", {**files, "__pycache__/a.pyc": "\0"})) == same
+    assert source_digest(tree("byte", {**files, "a.py": "x = 2\n"})) != same
+    assert source_digest(tree("moved", {"b.py": "x = 1\n", "k/g.cu": "// kernel\n",
+                                        "k/c.json": "{}"})) != same
+    assert source_digest(tree("more", {**files, "new.py": ""})) != same
+    assert len(same) == 12 and provenance("cpu")["qerl_source"] == source_digest()

@@ -263,6 +263,29 @@ def test_a_gpu_configuration_without_a_gpu_fails_at_once(tmp_path):
     assert not (tmp_path / "work").exists()  # no job started
 
 
+def test_a_checkout_the_installed_qerl_was_not_built_from_is_refused(tmp_path):
+    """Jobs run the installed qerl and label their rows with the checkout's commit: a
+    checkout whose qerl/ differs from the installed one (here by one comment) fails before
+    any job, naming both, and the same copy with the installed source runs."""
+    shutil.copy(ROOT / "Snakefile", tmp_path)
+    shutil.copytree(ROOT / "workflows", tmp_path / "workflows")
+    shutil.copytree(ROOT / "qerl", tmp_path / "qerl", symlinks=False,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+
+    def dry_run():
+        return subprocess.run([SNAKEMAKE, "-n"], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300)
+
+    assert dry_run().returncode == 0
+    with (tmp_path / "qerl" / "record.py").open("a") as f:
+        f.write("# a change the installed qerl lacks\n")
+    done = dry_run()
+    said = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "is not this checkout's" in said
+    assert str(tmp_path / "qerl") in said and "pip install --no-deps ." in said
+
+
 def test_lint_finds_only_accepted_lints():
     done = snakemake("--lint")  # text: this version ignores --lint=json
     found, where = [], None

@@ -4,6 +4,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -76,6 +77,34 @@ def _shared_commit() -> str | None:
 
 
 COMMIT = _shared_commit()
+
+
+def _check_installed_qerl():
+    """Jobs run the qerl installed beside Snakemake, and their rows carry this checkout's
+    commit (COMMIT): an install older or newer than the checkout would put one version's
+    numbers under another's name. Refused unless both hold the same source
+    (qerl.record.source_digest); a copy of the workflow without qerl/ is not checked."""
+    checkout = Path(workflow.basedir, "qerl")
+    if not checkout.is_dir():
+        return
+    probe = ("import sys, qerl.record as r; "
+             "print(r.source_digest(), r.source_digest(sys.argv[1]), r.__file__)")
+    # From / so that the interpreter finds the installed package, not the checkout.
+    done = subprocess.run([sys.executable, "-c", probe, str(checkout)], cwd="/",
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode:
+        raise WorkflowError(f"qerl is not importable by {sys.executable}, which runs the "
+                            f"jobs: install it (pip install .)\n{done.stderr.strip()}")
+    installed, here, where = done.stdout.split()
+    if installed != here:
+        raise WorkflowError(
+            f"the installed qerl ({Path(where).parent}, source {installed}) is not this "
+            f"checkout's ({checkout}, source {here}): its rows would be labelled with this "
+            "checkout's commit. Install the checkout (pip install --no-deps .), or rebuild "
+            "the image from it.")
+
+
+_check_installed_qerl()
 
 
 def _check_models():
