@@ -151,28 +151,45 @@ def different_runs(date_a, date_b, version_a=None, version_b=None):
     return apart | (pd.notna(version_a) & pd.notna(version_b) & (version_a != version_b))
 
 
-def speed_vs_lora(frame: pd.DataFrame) -> pd.Series:
-    """Each step's speed against LoRA's at the same card, model and settings, from one run
-    where the rows say when and by which version (``different_runs``; else no ratio)."""
+def run_ratio(over: pd.DataFrame, under: pd.DataFrame, on: list[str], value: str,
+              keep: list[str] | None = None) -> pd.DataFrame:
+    """over[value] / under[value] for the rows alike in ``on``, where both come from one run
+    (dated within PAIR_WINDOW_HOURS, by one qerl version: ``different_runs``; a ratio across
+    runs is no ratio), and where several runs measured both, from the latest of them: a
+    column "ratio" beside ``keep`` (default ``on``; columns of ``over``)."""
+    keep = keep or on
+    stamps = [c for c in ("date", "qerl") if c in over and c in under]
+    both = over[[*keep, value, *stamps]].merge(under[[*on, value, *stamps]], on=on,
+                                               suffixes=("", " under"))
+    if "date" in stamps:
+        versions = (both.qerl, both["qerl under"]) if "qerl" in stamps else ()
+        both = both[~different_runs(both.date, both["date under"], *versions).to_numpy()]
+        latest = pd.concat([pd.to_datetime(both.date), pd.to_datetime(both["date under"])],
+                           axis=1).max(axis=1)
+        both = both.assign(latest=latest).sort_values("latest", kind="stable",
+                                                      na_position="first")
+    both = both.assign(ratio=both[value] / both[f"{value} under"])
+    return both.drop_duplicates(keep, keep="last")[[*keep, "ratio"]]
+
+
+def speed_vs_lora(frame: pd.DataFrame, every: pd.DataFrame | None = None) -> pd.Series:
+    """Each step's speed against LoRA's at the same card, model and settings (LoRA's time
+    over its own), from one run (``run_ratio``: the latest run that measured both, among
+    ``every`` row read; default ``frame``), where both times were measured; NaN for a row
+    that ran out of memory, and where no run measured both."""
+    every = frame if every is None else every
     group = ["card", "model", *STEP_SETTINGS]
-    lora = frame[frame.method == "lora"].drop_duplicates(group, keep="last").set_index(group)
-
-    def speed(row) -> float | None:
-        key = tuple(row[g] for g in group)
-        if key not in lora.index or not row["step_s"] or pd.isna(lora.loc[key, "step_s"]):
-            return None
-        if "date" in frame and different_runs(
-                lora.loc[key, "date"], row["date"],
-                *((lora.loc[key, "qerl"], row["qerl"]) if "qerl" in frame else ())):
-            return None
-        return lora.loc[key, "step_s"] / row["step_s"]
-
-    return pd.Series([speed(row) for _, row in frame.iterrows()], index=frame.index,
-                     dtype=float)
+    timed = every[every.step_s > 0]
+    lora = timed[timed.method == "lora"]
+    speed = pd.Series(float("nan"), index=frame.index)
+    for method, rows in frame.groupby("method", sort=False):
+        paired = run_ratio(lora, timed[timed.method == method], group, "step_s")
+        speed[rows.index] = rows[group].merge(paired, on=group, how="left").ratio.to_numpy()
+    return speed.where(frame.step_s > 0)
 
 
-def _with_speed(frame: pd.DataFrame) -> pd.DataFrame:
-    return frame.assign(speed_vs_lora=speed_vs_lora(frame))
+def _with_speed(frame: pd.DataFrame, every: pd.DataFrame) -> pd.DataFrame:
+    return frame.assign(speed_vs_lora=speed_vs_lora(frame, every))
 
 
 # cuBLAS BF16's GEMMs of this many rows or more are compute-bound: the best rate it reaches
@@ -194,7 +211,7 @@ def kernel_ceiling(frame: pd.DataFrame) -> pd.Series:
     return frame.bf16_us / least
 
 
-def _with_ceiling(frame: pd.DataFrame) -> pd.DataFrame:
+def _with_ceiling(frame: pd.DataFrame, every: pd.DataFrame) -> pd.DataFrame:
     return frame.assign(ceiling_vs_bf16=kernel_ceiling(frame))
 
 
@@ -205,8 +222,8 @@ class Kind:
     """One kind of result: where its files are (``patterns``), how a file becomes rows
     (``reader``), the columns naming its method and model, the columns that set the
     measurement (``setting``, joined into ``bench``, or ``label`` from a row), those that
-    hold its numbers (``metrics``, names or prefixes), a column computed over the whole
-    frame (``derive``), and the value a setting had before its column was written
+    hold its numbers (``metrics``, names or prefixes), columns computed over the latest rows
+    and every row read (``derive``), and the value a setting had before its column was written
     (``defaults``)."""
 
     patterns: tuple[str, ...]
@@ -349,7 +366,7 @@ def read(name: str, paths: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame, set[
     identity = [*IDENTITY, "metric"] if kind.long else IDENTITY
     latest = frame.drop_duplicates(identity, keep="last").reset_index(drop=True)
     if kind.derive is not None:
-        latest = kind.derive(latest)
+        latest = kind.derive(latest, frame)
     return latest, frame, files
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 
 from qerl.methods import METHODS
-from qerl.report.collect import KINDS, MISMATCH, different_runs, every
+from qerl.report.collect import KINDS, MISMATCH, every, run_ratio
 from qerl.rl.phases import PHASES
 
 PAPER_METRIC = {"gsm8k": "gsm8k_accuracy", "math500": "math500_accuracy"}
@@ -66,27 +66,6 @@ def _by_weights(frames: dict, kind: str, value: str, speedup: str, more: tuple =
                                measured[measured.method == under], index, value)
             wide = wide.merge(paired.rename(columns={"ratio": name}), on=index, how="left")
     return wide
-
-
-def run_ratio(over: pd.DataFrame, under: pd.DataFrame, on: list[str], value: str,
-              keep: list[str] | None = None) -> pd.DataFrame:
-    """over[value] / under[value] for the rows alike in ``on``, where both come from one run
-    (dated within PAIR_WINDOW_HOURS, by one qerl version: ``different_runs``; a ratio across
-    runs is no ratio), and where several runs measured both, from the latest of them: a
-    column "ratio" beside ``keep`` (default ``on``; columns of ``over``)."""
-    keep = keep or on
-    stamps = [c for c in ("date", "qerl") if c in over and c in under]
-    both = over[[*keep, value, *stamps]].merge(under[[*on, value, *stamps]], on=on,
-                                               suffixes=("", " under"))
-    if "date" in stamps:
-        versions = (both.qerl, both["qerl under"]) if "qerl" in stamps else ()
-        both = both[~different_runs(both.date, both["date under"], *versions).to_numpy()]
-        latest = pd.concat([pd.to_datetime(both.date), pd.to_datetime(both["date under"])],
-                           axis=1).max(axis=1)
-        both = both.assign(latest=latest).sort_values("latest", kind="stable",
-                                                      na_position="first")
-    both = both.assign(ratio=both[value] / both[f"{value} under"])
-    return both.drop_duplicates(keep, keep="last")[[*keep, "ratio"]]
 
 
 def listing(kind: str):

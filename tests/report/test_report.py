@@ -430,6 +430,24 @@ def test_a_step_is_compared_with_lora_only_at_the_same_settings_and_run():
     assert pd.isna(speed_vs_lora(frame).iloc[1])
 
 
+def test_a_later_lora_step_leaves_the_speed_an_earlier_run_measured():
+    """QLoRA measured beside LoRA, then LoRA alone again by a newer qerl: QLoRA's speed is
+    still the one its own run measured, and a LoRA step out of memory pairs with nothing."""
+    same = {"card": CARD, "model": "m", "lora_rank": 32, "prompts": 2, "generations": 8,
+            "completion": 512, "micro_batch": 8, "grad_ckpt": 1}
+    every = pd.DataFrame([
+        {**same, "method": "lora", "step_s": 10.0, "date": "2026-01-01 10:00", "qerl": "a"},
+        {**same, "method": "qlora", "step_s": 20.0, "date": "2026-01-01 10:20", "qerl": "a"},
+        {**same, "method": "lora", "step_s": 8.0, "date": "2026-01-02 10:00", "qerl": "b"},
+        {**same, "method": "qerl", "step_s": 4.0, "date": "2026-01-02 10:10", "qerl": "b"},
+        {**same, "method": "lora", "step_s": None, "date": "2026-01-03 10:00", "qerl": "c"}])
+    latest = every.drop_duplicates("method", keep="last")
+    speed = speed_vs_lora(latest, every).set_axis(latest.method)
+    assert speed["qlora"] == pytest.approx(0.5)  # its run's LoRA, not the newer one
+    assert speed["qerl"] == pytest.approx(2.0)
+    assert pd.isna(speed["lora"])  # its newest run ran out of memory
+
+
 def test_the_committed_results_draw(tmp_path):
     """Every figure of the committed results (both cards' kernels, rollouts and steps, the
     study, the entropy runs) is drawn."""
