@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from functools import partial
+from pathlib import Path
 from typing import Literal, get_args, get_origin
 
 from qerl.errors import QerlError
@@ -95,7 +96,6 @@ def _pairs(items: list[str], what: str) -> dict[str, str]:
 
 
 def _eval(args: argparse.Namespace) -> None:
-    from pathlib import Path
 
     from qerl.eval.run import evaluate
     from qerl.eval.settings import EvalSettings
@@ -110,7 +110,6 @@ def _eval(args: argparse.Namespace) -> None:
 
 
 def _eval_import(args: argparse.Namespace) -> None:
-    from pathlib import Path
 
     from qerl.eval.external import import_results
 
@@ -119,7 +118,6 @@ def _eval_import(args: argparse.Namespace) -> None:
 
 
 def _report(args: argparse.Namespace) -> None:
-    from pathlib import Path
 
     from qerl.report.run import report
 
@@ -170,11 +168,20 @@ def _settings_args(parser: argparse.ArgumentParser, settings) -> None:
                             help=field.description)
 
 
+def _version() -> str:
+    from qerl.record import code_version, source_digest
+
+    return f"qerl {code_version()} (source {source_digest()}, {Path(__file__).parent})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from qerl.eval.settings import BENCHES, EvalSettings
 
     parser = argparse.ArgumentParser(prog="qerl", description=__doc__,
                                      formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=_version(),
+                        help="the version, and the digest of the code installed (what a "
+                             "result row's qerl and qerl_source columns say)")
     verbs = parser.add_subparsers(dest="verb", required=True)
     verb = partial(verbs.add_parser, formatter_class=HelpFormatter)
 

@@ -4,6 +4,7 @@ rewrites the file with the union, old rows' new cells empty, nothing lost or shi
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 
 from qerl.record import append_rows, provenance
 
@@ -63,3 +64,17 @@ def test_the_source_digest_names_the_code_not_its_place(tmp_path):
                                         "k/c.json": "{}"})) != same
     assert source_digest(tree("more", {**files, "new.py": ""})) != same
     assert len(same) == 12 and provenance("cpu")["qerl_source"] == source_digest()
+
+
+def test_qerl_version_names_the_code_installed(capsys, monkeypatch):
+    """`qerl --version` says what a row's qerl and qerl_source columns would say."""
+    from qerl.cli import main
+    from qerl.record import code_version, source_digest
+
+    monkeypatch.setenv("QERL_COMMIT", "8333badc8cc252e518d1be265946552e316f8c86")
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    said = capsys.readouterr().out
+    assert said.startswith(f"qerl {code_version()} (source {source_digest()}, ")
+    assert "+8333badc8cc2" in said
