@@ -168,10 +168,17 @@ def _settings_args(parser: argparse.ArgumentParser, settings) -> None:
                             help=field.description)
 
 
-def _version() -> str:
-    from qerl.record import code_version, source_digest
+class _Version(argparse.Action):
+    """--version, its digest read only when asked for (not at every command's start)."""
 
-    return f"qerl {code_version()} (source {source_digest()}, {Path(__file__).parent})"
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from qerl.record import code_version, source_digest
+
+        print(f"qerl {code_version()} (source {source_digest()}, {Path(__file__).parent})")
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="qerl", description=__doc__,
                                      formatter_class=HelpFormatter)
-    parser.add_argument("--version", action="version", version=_version(),
+    parser.add_argument("--version", action=_Version,
                         help="the version, and the digest of the code installed (what a "
                              "result row's qerl and qerl_source columns say)")
     verbs = parser.add_subparsers(dest="verb", required=True)
