@@ -258,6 +258,15 @@ def _expand_block_n(rank: int) -> int:
     return 64 if rank <= 32 else 32
 
 
+def _expand_block_m(rows: int, rank: int) -> int:
+    """Row tiles of the expand: from 128 rows at rank <= 32, tiles of 64 read each column
+    block of B half as often (7B gate/up at 256 rows, r32: 23 us against 31 with tiles of
+    32, on an H200; qkv, o and down within 0.5 us either way)."""
+    if rows <= 16:
+        return 16
+    return 64 if rows >= 128 and rank <= 32 else 32
+
+
 def _shrink_warps(rank: int) -> int:
     """Above rank 32 a program's A tiles and 3xTF32 parts are twice as many registers:
     8 warps hold them."""
@@ -350,7 +359,7 @@ def lora_expand_group(xa: torch.Tensor, b_weights: list[torch.Tensor], scalings:
     else:  # (the interpreter computes 16-bit dots wrongly: there the fp32 FMA path runs)
         precision = "ieee" if interpreting() else "16-bit"
     out = torch.empty((m, width), dtype=out_dtype, device=xa.device)
-    block_m = 16 if m <= 16 else 32
+    block_m = _expand_block_m(m, rank)
     block_n = _expand_block_n(rank)
     blocks = triton.cdiv(widths[0], block_n) if silu_mul else sum(
         triton.cdiv(n, block_n) for n in widths)

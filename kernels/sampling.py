@@ -11,9 +11,11 @@ vocabulary is split over many programs:
     combine: per row, the winner over the slices and log p = logits[token] / T - lse
 
 Temperature 0 is greedy: the first maximal logit and the plain log-softmax, as
-``torch.argmax`` and ``torch.log_softmax`` give. The noise is Philox (``tl.rand``) keyed by
-a seed the caller draws from its torch generator on the device each step, so seeded
-rollouts repeat and no step waits for the host. Log-probabilities match torch's within
+``torch.argmax`` and ``torch.log_softmax`` give. The noise is Philox keyed by a seed the
+caller draws from its torch generator on the device each step, so seeded rollouts repeat
+and no step waits for the host; each Philox call's four outputs serve four consecutive
+columns (``tl.rand4x``): one call a column, ten rounds for one number, was most of the
+kernel's work at RL's batch sizes. Log-probabilities match torch's within
 the order of their sums; NaN logits give NaN log-probabilities (torch's sampler would
 assert on the device instead).
 """
@@ -28,6 +30,17 @@ from qerl.kernels.nvfp4_matmul import num_sms
 
 BLOCK = 1024
 MAX_SLICES = 128
+SLICE_BLOCKS = 16
+
+
+@triton.jit
+def _uniforms(seed, counters, BLOCK: tl.constexpr):
+    """[BLOCK] uniforms in [0, 1): column 4 j + q of the block gets output q of Philox
+    counter j of ``counters``."""
+    u0, u1, u2, u3 = tl.rand4x(seed, counters)
+    # join stacks on a new last axis: element [j, b, a] is u_(2 b + a), which row-major
+    # flattening puts at 4 j + 2 b + a
+    return tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), (BLOCK,))
 
 
 @triton.jit
@@ -45,8 +58,10 @@ def sample_partial_kernel(logits_ptr, seed_ptr, max_ptr, sum_ptr, key_ptr, index
     run_sum = tl.zeros((), tl.float32)
     best = tl.full((), float("-inf"), tl.float32)
     best_at = start
+    lanes = tl.arange(0, BLOCK // 4)
     for i in tl.static_range(ITERS):
-        at = start + i * BLOCK + cols
+        first = start + i * BLOCK
+        at = first + cols
         ok = at < stop
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + at, mask=ok,
                     other=float("-inf")).to(tl.float32)
@@ -61,7 +76,7 @@ def sample_partial_kernel(logits_ptr, seed_ptr, max_ptr, sum_ptr, key_ptr, index
         if GREEDY:
             key = x
         else:
-            u = tl.rand(seed, row * V + at)
+            u = _uniforms(seed, row * tl.cdiv(V, 4) + first // 4 + lanes, BLOCK)
             key = x - tl.log(-tl.log(u))  # + Gumbel noise; u = 0 gives -inf, never drawn
         key = tl.where(ok, key, float("-inf"))
         tile_best = tl.max(key, axis=0)
@@ -102,8 +117,12 @@ def sample_combine_kernel(logits_ptr, max_ptr, sum_ptr, key_ptr, index_ptr, toke
 
 
 def _slices(rows: int, vocab: int, device: torch.device, block: int) -> int:
-    """Vocabulary slices per row: ~4 programs per SM in all, each at least one block."""
-    return max(1, min(MAX_SLICES, 4 * num_sms(device) // rows, triton.cdiv(vocab, block)))
+    """Vocabulary slices per row: ~4 programs per SM in all, none longer than SLICE_BLOCKS
+    blocks (a program's blocks are unrolled: at 256 rows of Qwen's 152k logits, two slices
+    of 75 blocks a row took 4x the time of 128 rows' four of 38), each at least one block."""
+    blocks = triton.cdiv(vocab, block)
+    wanted = max(4 * num_sms(device) // rows, triton.cdiv(blocks, SLICE_BLOCKS))
+    return max(1, min(MAX_SLICES, wanted, blocks))
 
 
 def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None,
@@ -111,8 +130,9 @@ def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator 
     """logits [B, V] -> (tokens [B] int64, log-probabilities [B] fp32) drawn from
     softmax(logits / temperature) (greedy at temperature 0); the log-probability is
     log_softmax(logits / temperature) at the token (plain log_softmax when greedy).
-    ``slices`` of the vocabulary per row: by default ~4 programs per SM in all, each
-    walking its slice ``block`` logits at a time (a power of two)."""
+    ``slices`` of the vocabulary per row: by default ~4 programs per SM in all and at most
+    SLICE_BLOCKS blocks each, each walking its slice ``block`` logits at a time (a power of
+    two, at least 4)."""
     if logits.dim() != 2 or logits.shape[0] == 0 or logits.shape[1] == 0:
         raise ValueError(f"logits must be [rows, vocab] with both > 0, got "
                          f"{tuple(logits.shape)}")
@@ -120,8 +140,8 @@ def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator 
         raise ValueError("the vocabulary dim of the logits must be contiguous")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if block < 1 or block & (block - 1):
-        raise ValueError(f"block must be a power of two, got {block}")
+    if block < 4 or block & (block - 1):
+        raise ValueError(f"block must be a power of two of at least 4, got {block}")
     rows, vocab = logits.shape
     slices = slices or _slices(rows, vocab, logits.device, block)
     per_slice = triton.cdiv(triton.cdiv(vocab, slices), block) * block

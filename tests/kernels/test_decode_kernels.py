@@ -128,7 +128,7 @@ def test_lora_shrink_expand_match_peft(poisoned, lora_dtype, rows, rank, group, 
 
 
 @pytest.mark.parametrize("dtype", dtypes())
-@pytest.mark.parametrize(("rows", "splits", "base_splits"), [(3, 2, 1), (18, 1, 3)])
+@pytest.mark.parametrize(("rows", "splits", "base_splits"), [(3, 2, 1), (18, 1, 3), (131, 2, 2)])
 def test_grouped_expand_equals_one_launch_per_member(poisoned, dtype, rows, splits,
                                                      base_splits):
     """Members side by side (widths off the 64-column block), and gate/up with SiLU and

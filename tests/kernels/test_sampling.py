@@ -53,23 +53,28 @@ def test_log_probabilities_are_the_tempered_log_softmax(poisoned):
 
 @triton.jit
 def _uniforms_kernel(seed_ptr, out_ptr, N: tl.constexpr):
+    """Philox's four outputs at counters 0 .. N - 1, as out [N, 4]."""
     at = tl.arange(0, N)
-    tl.store(out_ptr + at, tl.rand(tl.load(seed_ptr), at))
+    for q, u in enumerate(tl.rand4x(tl.load(seed_ptr), at)):
+        tl.store(out_ptr + at * 4 + q, u)
 
 
 def test_a_draw_is_the_argmax_of_logits_plus_gumbel_noise():
     """Exactly the exponential race over the whole row: the noise recomputed from the same
-    key (the generator's next draw) and Philox counters (row * V + column); small blocks so
-    that rows span three slices of two blocks, the last one partial."""
+    key (the generator's next draw) and Philox (column c of row r: output c % 4 of counter
+    r * ceil(V / 4) + c // 4); small blocks so that rows span three slices of two blocks,
+    the last one partial, and V is no multiple of 4."""
     seed = fresh_seed()
-    rows, vocab, temperature = 3, 40, 0.8
+    rows, vocab, temperature = 3, 42, 0.8
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)).to(device())
     logits[1, 20:24] = float("-inf")
     tokens, _ = sampling.sample(logits, temperature, generator(seed), slices=3, block=8)
     key = torch.randint(0, 2**62, (1,), device=device(), generator=generator(seed))
-    u = torch.empty(128, device=device())
-    _uniforms_kernel[(1,)](key, u, N=128)
-    noisy = logits / temperature - torch.log(-torch.log(u[:rows * vocab].view(rows, vocab)))
+    per_row = -(-vocab // 4)
+    u = torch.empty(64, 4, device=device())
+    _uniforms_kernel[(1,)](key, u, N=64)
+    u = u[:rows * per_row].view(rows, per_row * 4)[:, :vocab]
+    noisy = logits / temperature - torch.log(-torch.log(u))
     assert torch.equal(tokens, noisy.argmax(-1)), seed
 
 
@@ -90,6 +95,19 @@ def test_draws_follow_the_tempered_softmax():
     assert ((freq - expected).abs() <= 5 * sd + 1e-6).all(), (seed, freq[hot], expected[hot])
 
 
+@pytest.mark.parametrize("rows", [1, 7, 64, 256, 512])
+def test_slices_fill_the_card_and_stay_short(rows, monkeypatch):
+    """~4 programs an SM, and at RL's batch sizes no slice longer than SLICE_BLOCKS blocks
+    of Qwen's vocabulary (long unrolled slices were 4x slower at 256 rows)."""
+    monkeypatch.setattr(sampling, "num_sms", lambda device: 132)
+    vocab = 152064
+    slices = sampling._slices(rows, vocab, torch.device("cpu"), sampling.BLOCK)
+    blocks = -(-vocab // sampling.BLOCK)
+    assert 1 <= slices <= sampling.MAX_SLICES
+    assert -(-blocks // slices) <= sampling.SLICE_BLOCKS
+    assert rows * slices >= min(4 * 132, rows * sampling.MAX_SLICES) * 0.9
+
+
 def test_a_seed_repeats_its_draws_and_another_does_not():
     seed = fresh_seed()
     logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(seed)).to(device())
@@ -105,3 +123,5 @@ def test_bad_logits_are_refused():
         sampling.sample(torch.randn(8, 4).t(), 1.0)
     with pytest.raises(ValueError, match="temperature"):
         sampling.sample(torch.randn(2, 4), -1.0)
+    with pytest.raises(ValueError, match="power of two of at least 4"):
+        sampling.sample(torch.randn(2, 4), 1.0, block=2)
