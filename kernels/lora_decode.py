@@ -260,8 +260,7 @@ def _expand_block_n(rank: int) -> int:
 
 def _expand_block_m(rows: int, rank: int) -> int:
     """Row tiles of the expand: from 128 rows at rank <= 32, tiles of 64 read each column
-    block of B half as often (7B gate/up at 256 rows, r32: 23 us against 31 with tiles of
-    32, on an H200; qkv, o and down within 0.5 us either way)."""
+    block of B half as often (measured: kernels/DESIGN.md)."""
     if rows <= 16:
         return 16
     return 64 if rows >= 128 and rank <= 32 else 32

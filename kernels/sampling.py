@@ -117,9 +117,9 @@ def sample_combine_kernel(logits_ptr, max_ptr, sum_ptr, key_ptr, index_ptr, toke
 
 
 def _slices(rows: int, vocab: int, device: torch.device, block: int) -> int:
-    """Vocabulary slices per row: ~4 programs per SM in all, none longer than SLICE_BLOCKS
-    blocks (a program's blocks are unrolled: at 256 rows of Qwen's 152k logits, two slices
-    of 75 blocks a row took 4x the time of 128 rows' four of 38), each at least one block."""
+    """Vocabulary slices per row: ~4 programs per SM in all, each at least one block and
+    none longer than SLICE_BLOCKS blocks (a program's blocks are unrolled: long slices at
+    many rows ran far below the card's rate, kernels/DESIGN.md)."""
     blocks = triton.cdiv(vocab, block)
     wanted = max(4 * num_sms(device) // rows, triton.cdiv(blocks, SLICE_BLOCKS))
     return max(1, min(MAX_SLICES, wanted, blocks))

@@ -357,3 +357,21 @@ def test_a_prefill_is_timed_with_the_time_its_kernels_run(monkeypatch):
                         lambda self, ids, pad: prefills.append(ids.shape) or run(self, ids, pad))
     wall, busy = decode_step._prefill_ms(engine, 3, 7)
     assert prefills == [(3, 7)] * 3 and busy == pytest.approx(0.6) and wall > 0
+
+
+def test_decode_step_runs_the_engines_asked_for(monkeypatch, tmp_path, capsys):
+    """--fused picks the engines measured (ours, the model's own modules or both); anything
+    else is refused before a GPU is looked for."""
+    from qerl.bench import decode_step
+
+    with pytest.raises(SystemExit):
+        decode_step.main(["--fused", "2"])
+    assert "--fused takes 1, 0 or both" in capsys.readouterr().err
+    seen = []
+    monkeypatch.setattr(decode_step.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(decode_step, "provenance", lambda device: {"card": "card"})
+    monkeypatch.setattr(decode_step, "measure",
+                        lambda *args: seen.append(args[-1]) or [])
+    decode_step.main(["--out-dir", str(tmp_path), "--weights", "bf16", "--fused", "1"])
+    decode_step.main(["--out-dir", str(tmp_path), "--weights", "bf16"])
+    assert seen == [(True,), (True, False)]

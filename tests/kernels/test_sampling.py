@@ -55,8 +55,11 @@ def test_log_probabilities_are_the_tempered_log_softmax(poisoned):
 def _uniforms_kernel(seed_ptr, out_ptr, N: tl.constexpr):
     """Philox's four outputs at counters 0 .. N - 1, as out [N, 4]."""
     at = tl.arange(0, N)
-    for q, u in enumerate(tl.rand4x(tl.load(seed_ptr), at)):
-        tl.store(out_ptr + at * 4 + q, u)
+    u0, u1, u2, u3 = tl.rand4x(tl.load(seed_ptr), at)
+    tl.store(out_ptr + at * 4, u0)
+    tl.store(out_ptr + at * 4 + 1, u1)
+    tl.store(out_ptr + at * 4 + 2, u2)
+    tl.store(out_ptr + at * 4 + 3, u3)
 
 
 def test_a_draw_is_the_argmax_of_logits_plus_gumbel_noise():
