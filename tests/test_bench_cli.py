@@ -362,11 +362,12 @@ def test_a_prefill_is_timed_with_the_time_its_kernels_run(monkeypatch):
 def test_decode_step_runs_the_engines_asked_for(monkeypatch, tmp_path, capsys):
     """--fused picks the engines measured (ours, the model's own modules or both); anything
     else is refused before a GPU is looked for."""
-    from qerl.bench import decode_step
+    from qerl.bench import decode_step, rollout
 
-    with pytest.raises(SystemExit):
-        decode_step.main(["--fused", "2"])
-    assert "--fused takes 1, 0 or both" in capsys.readouterr().err
+    for bench in (decode_step, rollout):  # one flag, one check (bench/throughput.py)
+        with pytest.raises(SystemExit):
+            bench.main(["--fused", "2"])
+        assert "--fused takes 1, 0 or both" in capsys.readouterr().err
     seen = []
     monkeypatch.setattr(decode_step.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(decode_step, "provenance", lambda device: {"card": "card"})

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from qerl.bench.rollout import WEIGHTS
-from qerl.bench.throughput import largest_engine, timed
+from qerl.bench.throughput import add_fused_argument, fused_modes, largest_engine, timed
 from qerl.config import LoraSettings
 from qerl.help_format import HelpFormatter
 from qerl.policy import build_policy
@@ -153,11 +153,11 @@ def _prefill_ms(engine: Engine, batch: int, length: int) -> tuple[float, float]:
 
 
 def measure(arch: str, weights: str, rank: int, batches: list[int], slot: int,
-            prefill_len: int, fused_modes: tuple[bool, ...] = (True, False)) -> list[dict]:
+            prefill_len: int, engines: tuple[bool, ...] = (True, False)) -> list[dict]:
     policy = build_policy(WEIGHTS[weights], arch=arch, device="cuda",
                           lora=LoraSettings(rank=rank, alpha=rank))
     rows = []
-    for fused in fused_modes:
+    for fused in engines:
         engine, fit = largest_engine(policy, batches, max(slot, prefill_len) + 2, fused=fused)
         for batch in fit:
             prompts = torch.randint(0, 1000, (batch, slot)).tolist()
@@ -198,13 +198,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slot", type=int, default=700)
     parser.add_argument("--prefill-len", type=int, default=256,
                         help="prompt tokens of the prefill timed beside each step")
-    parser.add_argument("--fused", default="1,0",
-                        help="engine runs with our decode kernels (1) and/or the model's "
-                             "own modules (0)")
+    add_fused_argument(parser, "1,0")
     args = parser.parse_args(argv)
-    if any(f not in ("0", "1") for f in args.fused.split(",")):
-        parser.error(f"--fused takes 1, 0 or both (1,0), got {args.fused!r}")
-    fused_modes = tuple(f == "1" for f in args.fused.split(","))
+    engines = fused_modes(parser, args.fused)
     if not torch.cuda.is_available():
         raise SystemExit("qerl bench decode-step: needs a CUDA GPU (none found)")
     base = provenance("cuda")
@@ -213,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     for arch in args.archs.split(","):
         for weights in args.weights.split(","):
             rows = measure(arch, weights, args.rank, batches, args.slot, args.prefill_len,
-                           fused_modes)
+                           engines)
             append_rows(path, [{**base, **row} for row in rows])
             gc.collect()
             torch.cuda.empty_cache()

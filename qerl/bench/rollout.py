@@ -35,7 +35,14 @@ from pathlib import Path
 
 import torch
 
-from qerl.bench.throughput import call_prompts, largest_engine, throughput_row, timed
+from qerl.bench.throughput import (
+    add_fused_argument,
+    call_prompts,
+    fused_modes,
+    largest_engine,
+    throughput_row,
+    timed,
+)
 from qerl.bench.vllm_rollout import KINDS as VLLM_KINDS
 from qerl.bench.vllm_rollout import bench_vllm
 from qerl.config import LoraSettings
@@ -102,9 +109,7 @@ def main(argv: list[str] | None = None) -> None:
                              "prompt distinct")
     parser.add_argument("--hf-gen-len", type=int, default=256)
     parser.add_argument("--hf-max-batch", type=int, default=32)
-    parser.add_argument("--fused", default="1",
-                        help="engine runs with our decode kernels (1) and/or the model's "
-                             "own modules (0)")
+    add_fused_argument(parser, "1")
     parser.add_argument("--vllm-ranks", default=None,
                         help="LoRA ranks of the vllm-* rows, 0 for no adapter (default: "
                              "--ranks and 0)")
@@ -114,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="where the vllm-* rows' exports go while they run (default: "
                              "the system's temporary folder; a 32B NVFP4 one is ~20 GB)")
     args = parser.parse_args(argv)
+    engines = fused_modes(parser, args.fused)
     batches = [int(b) for b in args.batches.split(",")]
     if args.group < 1 or any(b % args.group for b in batches):
         parser.error(f"--group {args.group} must divide every batch ({args.batches})")
@@ -153,11 +159,10 @@ def main(argv: list[str] | None = None) -> None:
                     policy = build_policy(WEIGHTS[kind], arch=arch, device="cuda",
                                           lora=LoraSettings(rank=rank, alpha=rank))
                     rows = []
-                    for fused in (int(f) for f in args.fused.split(",")):
-                        print(f" fused={fused}", flush=True)
-                        rows += [{"fused": fused, **row} for row in bench_engine(
-                            policy, batches, prompt_lens, args.gen_len, bool(fused),
-                            args.group)]
+                    for fused in engines:
+                        print(f" fused={int(fused)}", flush=True)
+                        rows += [{"fused": int(fused), **row} for row in bench_engine(
+                            policy, batches, prompt_lens, args.gen_len, fused, args.group)]
                 append_rows(path, [{**base, "model": arch, "weights": kind, "lora_rank": rank,
                                     "group": args.group, **row} for row in rows])
                 del policy

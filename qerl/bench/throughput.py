@@ -4,9 +4,23 @@ second (prefill included), the time to the first token, and a decode step's time
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
+
+
+def add_fused_argument(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--fused", default=default,
+                        help="engine runs with our decode kernels (1) and/or the model's "
+                             "own modules (0)")
+
+
+def fused_modes(parser: argparse.ArgumentParser, text: str) -> tuple[bool, ...]:
+    """--fused's engines in order (True: our decode kernels), or the parser's error."""
+    if any(f not in ("0", "1") for f in text.split(",")):
+        parser.error(f"--fused takes 1, 0 or both (1,0), got {text!r}")
+    return tuple(f == "1" for f in text.split(","))
 
 
 def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
