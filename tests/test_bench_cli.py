@@ -329,7 +329,8 @@ def test_a_decode_steps_kernel_time_is_summed_by_the_part_it_does(monkeypatch):
 def test_a_prefill_is_timed_with_the_time_its_kernels_run(monkeypatch):
     """The decode-step benchmark's prefill (CPU, a tiny engine, the profiler's kernels
     given): its wall time, and the union of its kernels' spans; the call fills the cache of
-    as many prompts as asked, after a warm-up of the same shape."""
+    as many prompts as asked, after a warm-up of the same shape; its wall time is the median of
+    as many calls as its budget holds."""
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
@@ -355,8 +356,14 @@ def test_a_prefill_is_timed_with_the_time_its_kernels_run(monkeypatch):
     run = Engine._prefill
     monkeypatch.setattr(Engine, "_prefill",
                         lambda self, ids, pad: prefills.append(ids.shape) or run(self, ids, pad))
-    wall, busy = decode_step._prefill_ms(engine, 3, 7)
+    wall, busy = decode_step._prefill_ms(engine, 3, 7, budget_s=0.0)
     assert prefills == [(3, 7)] * 3 and busy == pytest.approx(0.6) and wall > 0
+    prefills.clear()
+    times = iter([0.1, 0.3, 0.9, 0.2, 5.0, 0.4])
+    monkeypatch.setattr(decode_step, "timed", lambda fn: fn() or next(times))
+    wall, _ = decode_step._prefill_ms(engine, 3, 7, budget_s=0.5, most=5)
+    # the first call (0.1 s) says five fit in 0.5 s; their median, not their mean, is kept
+    assert prefills == [(3, 7)] * 7 and wall == pytest.approx(400.0)
 
 
 def test_decode_step_runs_the_engines_asked_for(monkeypatch, tmp_path, capsys):

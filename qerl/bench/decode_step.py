@@ -14,14 +14,16 @@ The cache holds ``--slot`` tokens of context (a mid-rollout step at prompt 256 /
 the part of the step they do (``PARTS``: ``matmul_ms``, ``lora_ms``, ``attention_ms``,
 ``norm_ms``, ``other_ms``), beside the sampling of the step's tokens (``sampling_ms``, not
 part of the replay). Beside each step, a prefill of ``--prefill-len`` tokens a sequence is
-timed (``prefill_ms``) with the time some kernel of it runs (``prefill_busy_ms``): at few
-sequences the host launching the prefill's kernels, not the GPU, can set its time.
+timed (``prefill_ms``, the median of up to five calls) with the time some kernel of it runs
+(``prefill_busy_ms``): at few sequences the host launching the prefill's kernels, not the
+GPU, can set its time.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import time
 from pathlib import Path
 
@@ -138,17 +140,21 @@ def _kernel_spans(prof) -> list[tuple[float, float]]:
             if e.device_type == DeviceType.CUDA]
 
 
-def _prefill_ms(engine: Engine, batch: int, length: int) -> tuple[float, float]:
+def _prefill_ms(engine: Engine, batch: int, length: int, budget_s: float = 1.0,
+                most: int = 5) -> tuple[float, float]:
     """(wall ms, busy ms) of a prefill of ``batch`` new prompts of ``length`` tokens (after
     one of the same shape): the call's time, and the time some kernel of it runs; the rest
-    is the GPU waiting on the host to launch them."""
+    is the GPU waiting on the host to launch them. The wall time is the median of as many
+    calls as fit in ``budget_s`` (at least one, at most ``most``): a host-bound prefill's
+    single call varies by tens of percent."""
     def prefill():
         ids = torch.randint(0, engine.model.config.vocab_size, (batch, length))
         engine._prefill(ids, torch.zeros(batch, dtype=torch.long))
 
     with engine._eval():
-        prefill()
-        wall = timed(prefill) * 1e3
+        first = timed(prefill)
+        calls = max(1, min(most, int(budget_s / max(first, 1e-9))))
+        wall = statistics.median(timed(prefill) for _ in range(calls)) * 1e3
         return wall, busy_ms(_kernel_spans(_profiled(prefill)))
 
 

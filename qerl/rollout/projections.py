@@ -134,9 +134,11 @@ def _shrink_beside_bases(parts: list[LoraParts], x2: torch.Tensor
     """The LoRA shrink and the base projections of one group. Both only read x2, and the
     shrink is a small grid that mostly waits on loads: NVFP4 bases with fp32 adapters
     (PEFT's default) run it inside their own launch (its blocks first), which saves the
-    side stream's fork and join; otherwise on a GPU it runs on a side stream beside the base
-    projections (captured into the decode step's CUDA graph as a parallel branch), instead
-    of before them."""
+    side stream's fork and join; otherwise, while a CUDA graph is captured (the decode step),
+    it runs on a side stream beside the base projections, a parallel branch of the graph,
+    instead of before them. Uncaptured (a prefill of up to MAX_ROWS rows, an eager step) the
+    host launching the kernels sets the time at these rows, and the fork and join would
+    cost it more than the overlap saves the GPU: one stream."""
     if all(isinstance(p.base, NVFP4Linear) for p in parts) and nvfp4_gemv.shrinkable(
             [p.a for p in parts], x2.shape[1], x2.device):
         fused = nvfp4_linear.grouped_partial_sums_and_shrink([p.base for p in parts], x2,
@@ -144,7 +146,9 @@ def _shrink_beside_bases(parts: list[LoraParts], x2: torch.Tensor
         if fused is not None:
             bases, xa = fused
             return xa, bases
-    if not x2.is_cuda:
+    if not (x2.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if x2.is_cuda:
+            _side_stream(x2.device)  # made before a capture (the warm-up step), not in it
         return (lora_decode.lora_shrink(x2, [p.a for p in parts]),
                 _base_partials([p.base for p in parts], x2))
     main, side = torch.cuda.current_stream(x2.device), _side_stream(x2.device)
