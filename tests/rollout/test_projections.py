@@ -133,3 +133,34 @@ def test_a_prefill_group_adds_each_adapter_once_rounded(method, tiny_model_dir,
                               atol=2.0 ** -8 * ref.abs().max().item()), seed
         h = torch.randn(rows, mlp.down_proj.in_features, generator=gen).to(torch.bfloat16)
         check(project([mlp.down_proj], h)[0], *reference(mlp.down_proj, h))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams and graphs")
+def test_the_shrink_takes_a_side_stream_only_inside_a_captured_graph(tiny_model_dir,
+                                                                     monkeypatch):
+    """Eager (a prefill of few rows: the host's launches set its time) everything runs on
+    one stream; while the decode step's graph is captured the shrink is a side branch
+    beside the bases. The replay computes what the eager pass did."""
+    from qerl.rollout import projections
+
+    policy = build_policy("lora", tiny_model_dir, device="cuda")
+    randomize_adapter(policy, fresh_seed())
+    Engine(policy, max_batch=2, max_seq_len=16, fused=True)
+    attn = policy.base_model.model.layers[0].self_attn
+    modules = [attn.q_proj, attn.k_proj, attn.v_proj]
+    streams = []  # (the stream the shrink ran on, the one its caller is on)
+    shrink = lora_decode.lora_shrink
+    monkeypatch.setattr(lora_decode, "lora_shrink", lambda *a: streams.append(
+        torch.cuda.current_stream()) or shrink(*a))
+    x = torch.randn(4, attn.q_proj.in_features, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        eager = [out.clone() for out in project(modules, x)]
+        assert streams == [torch.cuda.current_stream()]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = project(modules, x)
+        assert streams[1:] == [projections._side_stream(x.device)]
+        graph.replay()
+        torch.cuda.synchronize()
+    for got, want in zip(captured, eager, strict=True):
+        assert torch.equal(got, want)
