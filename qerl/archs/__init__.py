@@ -29,12 +29,16 @@ def known() -> list[str]:
     return sorted(f.name.removesuffix(".json") for f in files if f.name.endswith(".json"))
 
 
+def fields(arch: str) -> dict:
+    """A named architecture's config.json fields."""
+    name = arch.lower()
+    if name not in known():
+        raise ArchitectureError(f"unknown architecture {arch!r}; known: {', '.join(known())}")
+    return json.loads(resources.files(__name__).joinpath(f"{name}.json").read_text())
+
+
 def config_for(arch: str) -> PretrainedConfig:
     """The transformers config of a named architecture."""
     from transformers import AutoConfig
 
-    name = arch.lower()
-    if name not in known():
-        raise ArchitectureError(f"unknown architecture {arch!r}; known: {', '.join(known())}")
-    fields = json.loads(resources.files(__name__).joinpath(f"{name}.json").read_text())
-    return AutoConfig.for_model(**fields)
+    return AutoConfig.for_model(**fields(arch))

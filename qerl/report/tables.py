@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from qerl import archs
 from qerl.methods import METHODS
 from qerl.report.collect import KINDS, MISMATCH, every, run_ratio
 from qerl.rl.phases import PHASES
@@ -349,16 +350,49 @@ token_tiles = _speedup_by_m("token_tiles", ["layer"], "token_tile",
                             "what nvfp4_gemm.token_tile chooses from.")
 
 
+# A decoder layer's projections in a decode step, as the kernels benchmark times them (q/k/v
+# and gate/up side by side, as the step runs them).
+STEP_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+def step_ceiling(frames: dict, wide: pd.DataFrame) -> pd.Series:
+    """The most an NVFP4 decode step could run over BF16's (``wide``: a row per card, model
+    and batch with BF16's step ms): BF16's step with every layer's projections at their
+    ceiling (``kernel_ceilings``: the fewest bytes at the copy rate, or the multiply at
+    cuBLAS's best rate) and every other part as it is. An estimate: the projections are
+    charged cuBLAS's time alone at M = batch (the kernels benchmark), times the model's
+    layers. NaN without BF16's step or a projection's time at that M."""
+    kernels = frames.get("kernels")
+    none = pd.Series(float("nan"), index=wide.index)
+    if kernels is None or "bf16" not in wide or "ceiling_vs_bf16" not in kernels:
+        return none
+    fwd = kernels[(kernels.method == "fwd") & kernels.layer.isin(STEP_PROJECTIONS)]
+    fwd = fwd.assign(saved_us=fwd.bf16_us * (1 - 1 / fwd.ceiling_vs_bf16))
+    per_layer = fwd.groupby(["card", "model", "M"]).agg(
+        projections=("layer", "nunique"), saved_us=("saved_us", lambda s: s.sum(min_count=len(s))))
+    known = set(archs.known())
+    for i, row in wide.iterrows():
+        key = (row.card, row.model, row.batch)
+        if key not in per_layer.index or row.model not in known:
+            continue
+        found = per_layer.loc[key]
+        if found.projections == len(STEP_PROJECTIONS):
+            saved_ms = archs.fields(row.model)["num_hidden_layers"] * found.saved_us / 1e3
+            none.loc[i] = row.bf16 / (row.bf16 - saved_ms)
+    return none
+
+
 def decode_step(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
     """One rollout decode step (ms, a CUDA-graph replay) by weights, NVFP4's speed over BF16
-    in the same run, and where measured the time the step spends outside its kernels
-    (the replay less the time a kernel runs, overlaps counted once: "WEIGHTS between
-    kernels ms"; the kernels' plain sum, recorded before, would count a side stream's
-    kernels twice)."""
+    in the same run and the most the card would allow it (``step_ceiling``), and where
+    measured the time the step spends outside its kernels (the replay less the time a
+    kernel runs, overlaps counted once: "WEIGHTS between kernels ms"; the kernels' plain
+    sum, recorded before, would count a side stream's kernels twice)."""
     ours = frames.get("decode_step")
     if ours is None:
         return pd.DataFrame()
     wide = _by_weights(frames, "decode_step", "step_ms", "bf16/nvfp4")
+    wide["ceiling bf16/nvfp4"] = step_ceiling(frames, wide)
     if "busy_ms" in ours:
         index = ["card", "model", *KINDS["decode_step"].setting]
         # Both recorded to the microsecond: so is their difference.

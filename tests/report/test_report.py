@@ -517,6 +517,37 @@ def test_a_decode_step_shows_its_time_outside_its_kernels_where_measured(tmp_pat
     assert table.loc[64, "nvfp4"] == 6.5
 
 
+def test_a_decode_steps_ceiling_puts_every_layers_projections_at_theirs(tmp_path):
+    """BF16's step with each of the model's layers' four projections at their ceiling over
+    cuBLAS (here the bytes: half of cuBLAS's time) and the rest as it is; none where a
+    projection's time at that batch, or the model's layer count, is unknown."""
+    def kernel(model, layer, m, bf16_us):
+        return {"date": "2026-01-01 10:00", "card": CARD, "model": model, "layer": layer,
+                "op": "fwd", "M": m, "N": 1024, "K": 1024, "bf16_us": bf16_us,
+                "ours_us": bf16_us, "floor_us": bf16_us / 2, "speedup_vs_bf16": 1.0}
+
+    projections = {"qkv": 10.0, "o": 5.0, "gate_up": 40.0, "down": 25.0}  # 80 us a layer
+    kernels = [kernel(model, layer, 128, us) for model in ("qwen2.5-7b", "m")
+               for layer, us in projections.items()]
+    kernels += [kernel("qwen2.5-7b", layer, 64, us) for layer, us in projections.items()
+                if layer != "o"]
+    # cuBLAS's rate from 2048 rows, fast enough that the bytes bound every ceiling at 128
+    kernels += [kernel(model, "down", 2048, 1.0) for model in ("qwen2.5-7b", "m")]
+    write(tmp_path / "bench/kernels_x.csv", kernels)
+    steps = [{"date": "2026-01-02 10:00", "card": CARD, "model": model, "weights": w,
+              "lora_rank": 32, "fused": 1, "batch": b, "context": 700, "step_ms": ms}
+             for model in ("qwen2.5-7b", "m") for b in (64, 128)
+             for w, ms in (("bf16", 8.0), ("nvfp4", 7.0))]
+    write(tmp_path / "bench/decode_step_x.csv", steps)
+    report(tmp_path)
+    table = pd.read_csv(tmp_path / "tables/decode_step.csv").set_index(["model", "batch"])
+    saved_ms = 28 * 80.0 / 2 / 1e3  # Qwen2.5-7B's 28 layers, each 40 us sooner
+    assert table.loc[("qwen2.5-7b", 128), "ceiling bf16/nvfp4"] == pytest.approx(
+        8.0 / (8.0 - saved_ms))
+    assert pd.isna(table.loc[("qwen2.5-7b", 64), "ceiling bf16/nvfp4"])  # o not timed
+    assert pd.isna(table.loc[("m", 128), "ceiling bf16/nvfp4"])  # layers unknown
+
+
 def test_a_decode_steps_parts_are_listed_where_its_kernels_were_summed_by_part(tmp_path):
     """The parts table lists each step whose kernel time was summed by part, with its replay
     time, its sampling and a prefill's times; a row from before the parts were recorded is
