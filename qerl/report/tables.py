@@ -363,23 +363,17 @@ def step_ceiling(frames: dict, wide: pd.DataFrame) -> pd.Series:
     charged cuBLAS's time alone at M = batch (the kernels benchmark), times the model's
     layers. NaN without BF16's step or a projection's time at that M."""
     kernels = frames.get("kernels")
-    none = pd.Series(float("nan"), index=wide.index)
     if kernels is None or "bf16" not in wide or "ceiling_vs_bf16" not in kernels:
-        return none
+        return pd.Series(float("nan"), index=wide.index)
     fwd = kernels[(kernels.method == "fwd") & kernels.layer.isin(STEP_PROJECTIONS)]
-    fwd = fwd.assign(saved_us=fwd.bf16_us * (1 - 1 / fwd.ceiling_vs_bf16))
-    per_layer = fwd.groupby(["card", "model", "M"]).agg(
-        projections=("layer", "nunique"), saved_us=("saved_us", lambda s: s.sum(min_count=len(s))))
+    saved_us = (fwd.bf16_us * (1 - 1 / fwd.ceiling_vs_bf16)).groupby(
+        [fwd.card, fwd.model, fwd.M]).sum(min_count=len(STEP_PROJECTIONS))  # NaN: one missing
+    at = pd.MultiIndex.from_arrays([wide.card, wide.model, wide.batch])
     known = set(archs.known())
-    for i, row in wide.iterrows():
-        key = (row.card, row.model, row.batch)
-        if key not in per_layer.index or row.model not in known:
-            continue
-        found = per_layer.loc[key]
-        if found.projections == len(STEP_PROJECTIONS):
-            saved_ms = archs.fields(row.model)["num_hidden_layers"] * found.saved_us / 1e3
-            none.loc[i] = row.bf16 / (row.bf16 - saved_ms)
-    return none
+    layers = wide.model.map({m: archs.fields(m)["num_hidden_layers"]
+                             for m in set(wide.model) & known})
+    saved_ms = saved_us.reindex(at).to_numpy() * layers / 1e3
+    return wide.bf16 / (wide.bf16 - saved_ms)
 
 
 def decode_step(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
