@@ -139,27 +139,26 @@ def _shrink_beside_bases(parts: list[LoraParts], x2: torch.Tensor
     instead of before them. Uncaptured (a prefill of up to MAX_ROWS rows, an eager step) the
     host launching the kernels sets the time at these rows, and the fork and join would
     cost it more than the overlap saves the GPU: one stream."""
-    if all(isinstance(p.base, NVFP4Linear) for p in parts) and nvfp4_gemv.shrinkable(
-            [p.a for p in parts], x2.shape[1], x2.device):
-        fused = nvfp4_linear.grouped_partial_sums_and_shrink([p.base for p in parts], x2,
-                                                             [p.a for p in parts])
+    adapters, bases = [p.a for p in parts], [p.base for p in parts]
+    if all(isinstance(b, NVFP4Linear) for b in bases) and nvfp4_gemv.shrinkable(
+            adapters, x2.shape[1], x2.device):
+        fused = nvfp4_linear.grouped_partial_sums_and_shrink(bases, x2, adapters)
         if fused is not None:
-            bases, xa = fused
-            return xa, bases
+            partials, xa = fused
+            return xa, partials
     if not (x2.is_cuda and torch.cuda.is_current_stream_capturing()):
         if x2.is_cuda:
             _side_stream(x2.device)  # made before a capture (the warm-up step), not in it
-        return (lora_decode.lora_shrink(x2, [p.a for p in parts]),
-                _base_partials([p.base for p in parts], x2))
+        return lora_decode.lora_shrink(x2, adapters), _base_partials(bases, x2)
     main, side = torch.cuda.current_stream(x2.device), _side_stream(x2.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        xa = lora_decode.lora_shrink(x2, [p.a for p in parts])
-    bases = _base_partials([p.base for p in parts], x2)
+        xa = lora_decode.lora_shrink(x2, adapters)
+    partials = _base_partials(bases, x2)
     # xa's memory belongs to the side stream, which waits for this stream before its next
     # allocation: no later shrink can take it while this stream's expand still reads it.
     main.wait_stream(side)
-    return xa, bases
+    return xa, partials
 
 
 def _many_rows(parts: list[LoraParts], x2: torch.Tensor) -> list[torch.Tensor]:
