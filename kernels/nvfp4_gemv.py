@@ -101,12 +101,12 @@ def launch_shape(m: int, widths: list[int], k: int, num_sms: int, rank: int = 0
 RESIDENT = (6, 5, 4, 4)
 BLOCK_WARPS = 4  # kWarps in nvfp4_gemv.cu: a weight block's 16-row strips, a shrink's rows
 BLOCK_COST = 4  # a block's fixed cost (its start, x's first stage, its stores) in quads
-# What a split costs the expand that adds the partials up, in quads: at 32 rows, 8 more
-# splits a 7B layer took its expand ~6 us longer (H200, decode-step profile).
+# What a split costs the expand that adds the partials up, in quads, fitted to the expand's
+# time against its splits at 32 rows (an H200's decode-step profile).
 SPLIT_COST = 0.75
 
 
-# Cached: the search takes ~0.1 ms, and a decode step outside a CUDA graph launches the
+# Cached: the search costs more than a launch, and a decode step outside a CUDA graph launches the
 # kernel ~100 times with a handful of shapes.
 @functools.cache
 def _shared_x_splits(m: int, widths: tuple[int, ...], quads: int, num_sms: int, rank: int

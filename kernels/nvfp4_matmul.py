@@ -44,7 +44,7 @@ import triton.language as tl
 
 from qerl.errors import QuantizationError
 from qerl.formats import nvfp4
-from qerl.kernels import crossovers
+from qerl.kernels import compute_capability, crossovers
 from qerl.kernels import nvfp4_gemm as gemm
 from qerl.kernels import nvfp4_gemv as gemv
 from qerl.kernels import nvfp4_layout as layout
@@ -69,8 +69,9 @@ def _decode_asm(fp16: bool) -> str:
     magnitude from d << 3 and the sign from d."""
     mask = f"{layout.CODE_BITS:#010x}"
     (l23, h01), (spread, times) = layout.ROTATIONS, layout.SPREAD
-    mul = "mul.rn.f16x2" if fp16 else "mul.rn.bf16x2"
-    lines = ["{", ".reg .b32 d0, d1, d2, d3, s0, s1;",
+    # bf16: an fma with -0 (sm_80 on, exact; mul.bf16x2 needs sm_90), as nvfp4_decode.cuh.
+    mul = "mul.rn.f16x2 d{i}, d{i}, s{s};" if fp16 else "fma.rn.bf16x2 d{i}, d{i}, s{s}, z;"
+    lines = ["{", ".reg .b32 d0, d1, d2, d3, s0, s1, z;", "mov.b32 z, 0x80008000;",
              "mov.b32 s0, {$9, $9};", "mov.b32 s1, {$10, $10};",
              f"and.b32 d0, $8, {mask};",
              f"shf.l.wrap.b32 d1, $8, $8, {l23};", f"and.b32 d1, d1, {mask};",
@@ -80,7 +81,7 @@ def _decode_asm(fp16: bool) -> str:
     for i in range(4):
         if fp16:
             lines += [f"mul.lo.u32 d{i}, d{i}, 9;", f"and.b32 d{i}, d{i}, 0x8E008E00;"]
-        lines += [f"{mul} d{i}, d{i}, s{i // 2};", f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, d{i};"]
+        lines += [mul.format(i=i, s=i // 2), f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, d{i};"]
     # One line: torch.compile re-emits user Triton kernels as source, where a multi-line
     # string constant breaks.
     return " ".join([*lines, "}"])
@@ -129,29 +130,54 @@ def _group_values(words):
 
 
 @triton.jit
+def _e4m3_value(bits):
+    """E4M3 scales' bits (uint8) -> their values, fp32: exponent 0 is subnormal, m * 2^-9,
+    else (8 + m) * 2^(e - 10). (No NaN: a block scale is at most 448.)"""
+    b = bits.to(tl.int32)
+    e = (b >> 3) & 15
+    m = b & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    value = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where(b >= 128, -value, value)
+
+
+@triton.jit
+def _scale_as(s, dtype: tl.constexpr, FP8: tl.constexpr):
+    """Block scales as loaded -> ``dtype``: fp8 by the hardware's conversion (FP8), or E4M3
+    bits (uint8) decoded, where the card has no conversion (compute_capability)."""
+    # A constexpr branch, so that the other is not compiled (no fp8 type before sm_89).
+    if FP8:  # noqa: SIM108
+        value = s.to(dtype)
+    else:
+        value = _e4m3_value(s).to(dtype)
+    return value
+
+
+@triton.jit
 def _scaled_groups(words, s_lo, s_hi, ASM: tl.constexpr, BF16: tl.constexpr,
-                   PRE: tl.constexpr):
-    """Words [R, 4] as stored and fp8 scales [R] -> (low group * s_lo, high group * s_hi),
-    [R, 16] each in k order: 16-bit (x's dtype) by PTX, or fp32 under the interpreter."""
+                   PRE: tl.constexpr, FP8: tl.constexpr):
+    """Words [R, 4] as stored and scales [R] (see _scale_as) -> (low group * s_lo, high
+    group * s_hi), [R, 16] each in k order: 16-bit (x's dtype) by PTX, or fp32 under the
+    interpreter."""
     if ASM:
         if BF16:
-            s_lo = tl.broadcast_to((s_lo.to(tl.float32) * PRE).to(tl.bfloat16)[:, None],
-                                   words.shape)
-            s_hi = tl.broadcast_to((s_hi.to(tl.float32) * PRE).to(tl.bfloat16)[:, None],
-                                   words.shape)
+            s_lo = tl.broadcast_to((_scale_as(s_lo, tl.float32, FP8) * PRE).to(tl.bfloat16)
+                                   [:, None], words.shape)
+            s_hi = tl.broadcast_to((_scale_as(s_hi, tl.float32, FP8) * PRE).to(tl.bfloat16)
+                                   [:, None], words.shape)
             c = tl.inline_asm_elementwise(DECODE_BF16, CONSTRAINTS, [words, s_lo, s_hi],
                                           dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
         else:
-            s_lo = tl.broadcast_to(s_lo.to(tl.float16)[:, None], words.shape)
-            s_hi = tl.broadcast_to(s_hi.to(tl.float16)[:, None], words.shape)
+            s_lo = tl.broadcast_to(_scale_as(s_lo, tl.float16, FP8)[:, None], words.shape)
+            s_hi = tl.broadcast_to(_scale_as(s_hi, tl.float16, FP8)[:, None], words.shape)
             c = tl.inline_asm_elementwise(DECODE_FP16, CONSTRAINTS, [words, s_lo, s_hi],
                                           dtype=(tl.float16,) * 8, is_pure=True, pack=1)
         lo = _k_order(c[0], c[1], c[2], c[3])
         hi = _k_order(c[4], c[5], c[6], c[7])
     else:
         lo, hi = _group_values(words)
-        lo = lo * s_lo.to(tl.float32)[:, None]
-        hi = hi * s_hi.to(tl.float32)[:, None]
+        lo = lo * _scale_as(s_lo, tl.float32, FP8)[:, None]
+        hi = hi * _scale_as(s_hi, tl.float32, FP8)[:, None]
     return lo, hi
 
 
@@ -183,7 +209,7 @@ def nvfp4_fwd_kernel(
     M, N, K,
     stride_xm, stride_pt, stride_sn, stride_os, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr, BF16: tl.constexpr,
-    PRE: tl.constexpr, POST: tl.constexpr, EVEN_K: tl.constexpr,
+    PRE: tl.constexpr, POST: tl.constexpr, FP8: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr,
 ):
     """out[M, N] = x[M, K] @ deq(W[N, K])^T (+ bias). A program owns BLOCK_N rows of W and
@@ -223,7 +249,7 @@ def nvfp4_fwd_kernel(
             x_col = x_ptr + rows[None, :] * stride_xm + k_lo[:, None]  # x^T [16, BLOCK_M]
             x_lo = tl.load(x_col, mask=x_lo_ok, other=0.0)
             x_hi = tl.load(x_col + 16, mask=x_hi_ok, other=0.0)
-            w_lo, w_hi = _scaled_groups(words, s_lo, s_hi, ASM, BF16, PRE)
+            w_lo, w_hi = _scaled_groups(words, s_lo, s_hi, ASM, BF16, PRE, FP8)
             if not ASM:
                 x_lo = x_lo.to(tl.float32)
                 x_hi = x_hi.to(tl.float32)
@@ -243,7 +269,7 @@ def nvfp4_bwd_kernel(
     M, N, K,
     stride_dym, stride_pt, stride_sn, stride_os, stride_om,
     SPLIT_K: tl.constexpr, ASM: tl.constexpr, BF16: tl.constexpr, PRE: tl.constexpr,
-    POST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    POST: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """out[M, K] = dy[M, N] @ deq(W[N, K]). A program owns one 16-byte chunk of columns
     (32 outputs: its low-nibble group, then its high one) and reduces over N."""
@@ -265,7 +291,7 @@ def nvfp4_bwd_kernel(
                        mask=n_ok & _all_below(n, 2 * p + 1, K // 16), other=0.0)
         dy = tl.load(dy_ptr + rows[:, None] * stride_dym + n[None, :],
                      mask=x_ok & n_ok[None, :], other=0.0)
-        w_lo, w_hi = _scaled_groups(words, s_lo, s_hi, ASM, BF16, PRE)
+        w_lo, w_hi = _scaled_groups(words, s_lo, s_hi, ASM, BF16, PRE, FP8)
         if not ASM:
             dy = dy.to(tl.float32)
         acc_lo = tl.dot(dy, w_lo, acc_lo)
@@ -280,7 +306,7 @@ def nvfp4_bwd_kernel(
 @triton.jit
 def nvfp4_dequant_kernel(words_ptr, scale_ptr, global_scale_ptr, out_ptr, N, K,
                          stride_pt, stride_sn, stride_on,
-                         BLOCK_N: tl.constexpr, PAIRS: tl.constexpr):
+                         FP8: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr):
     """out[N, K] = deq(W) in out's dtype, bit for bit as nvfp4.dequantize: each weight is
     E2M1 * (scale / global_scale) in fp32, rounded once."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -300,9 +326,9 @@ def nvfp4_dequant_kernel(words_ptr, scale_ptr, global_scale_ptr, out_ptr, N, K,
     global_scale = tl.load(global_scale_ptr)
     # Correctly rounded scale / global_scale, as the reference divides.
     w_lo = (tl.reshape(lo, (BLOCK_N, PAIRS, 16))
-            * tl.math.div_rn(s_lo.to(tl.float32), global_scale)[:, :, None])
+            * tl.math.div_rn(_scale_as(s_lo, tl.float32, FP8), global_scale)[:, :, None])
     w_hi = (tl.reshape(hi, (BLOCK_N, PAIRS, 16))
-            * tl.math.div_rn(s_hi.to(tl.float32), global_scale)[:, :, None])
+            * tl.math.div_rn(_scale_as(s_hi, tl.float32, FP8), global_scale)[:, :, None])
     k_lo = p[None, :, None] * 32 + j[None, None, :]
     out = out_ptr + offs_n[:, None, None] * stride_on + k_lo
     tl.store(out, w_lo.to(out_ptr.dtype.element_ty), mask=n_ok & (k_lo < K))
@@ -391,10 +417,17 @@ def launch_config(op: str, m: int, n: int, k: int, num_sms: int) -> LaunchConfig
                         num_stages=4 if op == "fwd" else 3)
 
 
-def _kernel_flags(dtype: torch.dtype) -> dict:
+def _kernel_flags(dtype: torch.dtype, device: torch.device) -> dict:
     asm = not interpreting()
     pre, post = SCALE_FACTORS[dtype] if asm else (1.0, 1.0)
-    return {"ASM": asm, "BF16": dtype == torch.bfloat16, "PRE": pre, "POST": post}
+    return {"ASM": asm, "BF16": dtype == torch.bfloat16, "PRE": pre, "POST": post,
+            "FP8": compute_capability.converts_fp8(device)}
+
+
+def _scale_operand(scale: torch.Tensor) -> torch.Tensor:
+    """The block scales as the kernels read them on their device: fp8 where the hardware
+    converts it, else their E4M3 bits (compute_capability.converts_fp8)."""
+    return scale if compute_capability.converts_fp8(scale.device) else scale.view(torch.uint8)
 
 
 def cuda_runs(x2: torch.Tensor) -> bool:
@@ -457,18 +490,19 @@ def _fused(op: str, a2, n: int, k: int, pairs, scale, global_scale, bias=None):
     out = torch.empty((cfg.split_k, m, cols), dtype=out_dtype, device=a2.device)
     words = pairs.view(torch.int32)
     strides = (a2.stride(0), words.stride(0), scale.stride(0), out.stride(0), out.stride(1))
-    meta = {**_kernel_flags(a2.dtype), "SPLIT_K": cfg.split_k, "BLOCK_M": cfg.block_m,
+    meta = {**_kernel_flags(a2.dtype, a2.device), "SPLIT_K": cfg.split_k, "BLOCK_M": cfg.block_m,
             "BLOCK_N": cfg.block_c, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     m_tiles = triton.cdiv(m, cfg.block_m)
     if op == "fwd":
         grid = (triton.cdiv(n, cfg.block_c), cfg.split_k, m_tiles)
-        nvfp4_fwd_kernel[grid](a2, words, scale, global_scale,
+        nvfp4_fwd_kernel[grid](a2, words, _scale_operand(scale), global_scale,
                                bias if bias is not None else global_scale, out, m, n, k,
                                *strides, HAS_BIAS=bias is not None, PAIRS=cfg.pairs,
                                EVEN_K=k % (32 * cfg.pairs) == 0, **meta)
     else:
         grid = (triton.cdiv(k, 32), cfg.split_k, m_tiles)
-        nvfp4_bwd_kernel[grid](a2, words, scale, global_scale, out, m, n, k, *strides, **meta)
+        nvfp4_bwd_kernel[grid](a2, words, _scale_operand(scale), global_scale, out, m, n, k,
+                               *strides, **meta)
     return out
 
 
@@ -484,9 +518,10 @@ def dequantize(pairs: torch.Tensor, scale: torch.Tensor, global_scale: torch.Ten
     block_n, chunk_pairs = 32, 8
     grid = (triton.cdiv(n, block_n), triton.cdiv(k, 32 * chunk_pairs))
     words = pairs.view(torch.int32)
-    nvfp4_dequant_kernel[grid](words, scale, global_scale, out, n, k, words.stride(0),
-                               scale.stride(0), out.stride(0), BLOCK_N=block_n,
-                               PAIRS=chunk_pairs, num_warps=4)
+    nvfp4_dequant_kernel[grid](words, _scale_operand(scale), global_scale, out, n, k,
+                               words.stride(0), scale.stride(0), out.stride(0),
+                               FP8=compute_capability.converts_fp8(pairs.device),
+                               BLOCK_N=block_n, PAIRS=chunk_pairs, num_warps=4)
     return out
 
 
@@ -622,7 +657,3 @@ def reference_linear(x: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
     """The torch reference (any device): dequantize to x's dtype, then matmul."""
     w = _reference_weight(pairs, scale, global_scale, x.dtype)
     return torch.nn.functional.linear(x, w, bias)
-
-
-def reference_grad_input(dy, pairs, scale, global_scale):
-    return dy @ _reference_weight(pairs, scale, global_scale, dy.dtype)

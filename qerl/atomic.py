@@ -18,6 +18,21 @@ from pathlib import Path
 from qerl.errors import QerlError
 
 
+def make_directory(path: str | Path, what: str = "output") -> Path:
+    """``path`` made with its parents where missing; a path that cannot be a directory
+    (under a file, on a read-only or virtual filesystem, without permission) is refused,
+    naming what is in the way."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        there = next(p for p in (path, *path.parents) if p.exists())
+        why = (f"{there} is a file, not a directory" if not there.is_dir() else
+               f"{there} takes no new directory ({e.strerror or e})")
+        raise QerlError(f"cannot make the {what} directory {path}: {why}") from None
+    return path
+
+
 def lock_path(out: Path) -> Path:
     """The hidden lock file beside ``out`` (removed when its holder ends; a holder killed
     by a signal leaves it behind, unlocked, for the next claim to take)."""
@@ -33,13 +48,15 @@ def claim(out: str | Path, what: str) -> Iterator[None]:
     out = Path(out).resolve()  # one lock for every spelling of the directory
     if not out.name:
         raise QerlError(f"{out} cannot be an output directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_directory(out.parent, "output's parent")
     lock = lock_path(out)
     while True:
         try:  # never through a link: the lock would write into whatever it points at
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as e:
-            raise QerlError(f"{lock} (the lock beside {out}) is not a plain file: {e}") from e
+            why = ("is not a plain file" if lock.is_symlink() or lock.exists()
+                   else f"cannot be made ({e.strerror or e}): {out.parent} takes no output")
+            raise QerlError(f"{lock} (the lock beside {out}) {why}") from e
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise QerlError(f"{lock} (the lock beside {out}) is not a plain file")

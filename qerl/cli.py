@@ -9,6 +9,7 @@ from functools import partial
 from pathlib import Path
 from typing import Literal, get_args, get_origin
 
+from qerl.bench.registry import COMMANDS
 from qerl.errors import QerlError
 from qerl.help_format import HelpFormatter
 from qerl.methods import METHODS
@@ -40,25 +41,10 @@ def _quantize(args: argparse.Namespace) -> None:
     print(json.dumps(report["summary"], indent=2))
 
 
-BENCHMARKS = {
-    "kernels": "qerl.bench.kernels",
-    "kernel-paths": "qerl.bench.kernel_paths",
-    "token-tiles": "qerl.bench.token_tiles",
-    "quantize": "qerl.bench.quantize",
-    "fidelity": "qerl.bench.fidelity",
-    "memory": "qerl.bench.memory",
-    "rollout": "qerl.bench.rollout",
-    "decode-step": "qerl.bench.decode_step",
-    "step": "qerl.bench.step",
-    "footprint": "qerl.bench.footprint",
-    "entropy": "qerl.bench.entropy",
-}
-
-
 def _bench(args: argparse.Namespace) -> None:
     import importlib
 
-    importlib.import_module(BENCHMARKS[args.what]).main(args.args)
+    importlib.import_module(COMMANDS[args.what]).main(args.args)
 
 
 def _set(pairs: list[str]) -> dict:
@@ -82,7 +68,10 @@ def _train(args: argparse.Namespace) -> None:
     from qerl.config import load_config
     from qerl.rl.run import train
 
-    train(load_config(args.config, _set(args.set)))
+    overrides = _set(args.set)
+    if args.memory_gb is not None:
+        overrides["memory_gb"] = args.memory_gb
+    train(load_config(args.config, overrides))
 
 
 def _pairs(items: list[str], what: str) -> dict[str, str]:
@@ -122,8 +111,11 @@ def _report(args: argparse.Namespace) -> None:
     from qerl.report.run import report
 
     written = report(Path(args.results), Path(args.paper) if args.paper else None,
-                     Path(args.check) if args.check else None, args.note)
+                     Path(args.check) if args.check else None, args.check_paper)
     print(json.dumps(written, indent=2, default=str))
+    for verdict in ("check", "paper"):  # what a run of the workflow ends by saying
+        if verdict in written:
+            print(f"qerl report: {written[verdict]['message']}", file=sys.stderr)
 
 
 def _export(args: argparse.Namespace) -> None:
@@ -219,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", required=True, help="YAML file (see workflows/config/)")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a setting, e.g. --set train.max_steps=10 (repeatable)")
+    t.add_argument("--memory-gb", type=float,
+                   help="fit each step into this much GPU memory (the config's memory_gb): "
+                        "micro-batch, rollout batch and checkpointing chosen for it, torch "
+                        "capped to it; planned but not enforced on a CPU")
     t.set_defaults(run=_train)
 
     e = verb(
@@ -282,17 +278,20 @@ def build_parser() -> argparse.ArgumentParser:
                     "table reads.")
     r.add_argument("--results", default="results", help="results folder (default: results)")
     r.add_argument("--paper", help="the paper's numbers (default: the copy qerl ships)")
-    r.add_argument("--check", help="expected values (key,value,tolerance): exit 2 if any "
-                                   "reproduced value is missing or drifted past its tolerance, "
-                                   "or a file under RESULTS is read by no table")
-    r.add_argument("--note", help="a line above every markdown table: what its values mean "
-                                  "(e.g. those of a tiny smoke model)")
+    r.add_argument("--check", help="expected values (workflows/expected/CONFIG.csv, and "
+                                   "beside it CONFIG-CARD.csv for the card's speeds and job "
+                                   "times): exit 2 if any reproduced value is missing or "
+                                   "drifted past its tolerance, or a file under RESULTS is "
+                                   "read by no table; say what could not be checked")
+    r.add_argument("--check-paper", action="store_true",
+                   help="say how many of the paper's numbers were reproduced, within the "
+                        "bands the paper's numbers file states, and why the others were not")
     r.set_defaults(run=_report)
 
     b = verb("bench", help="run a benchmark; results go to results/bench/",
                          description="Benchmarks write CSV under results/bench/; "
                                      "`qerl bench NAME --help` for each one's options.")
-    b.add_argument("what", choices=sorted(BENCHMARKS))
+    b.add_argument("what", choices=sorted(COMMANDS))
     b.add_argument("args", nargs=argparse.REMAINDER, help="options of that benchmark")
     b.set_defaults(run=_bench)
     return parser

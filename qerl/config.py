@@ -108,6 +108,9 @@ class TrainSection(Settings):
 class EngineSection(Settings):
     backend: Literal["embedded", "vllm"] = "embedded"
     kv_budget_gb: float | None = Field(None, gt=0)
+    # Sequences a rollout samples at once (a step's more run in rounds); None: all of them,
+    # or as many as kv_budget_gb holds. memory_gb sets it.
+    max_batch: int | None = Field(None, ge=1)
 
 
 class TrainConfig(Settings):
@@ -124,6 +127,10 @@ class TrainConfig(Settings):
     rl: RLSection = RLSection()
     train: TrainSection = TrainSection()
     engine: EngineSection = EngineSection()
+    # GPU memory (decimal GB, as the driver counts it) one process's step must fit: the
+    # micro-batch (at most train.batch_size), the rollout's batch and gradient checkpointing
+    # are chosen for it, and on a GPU torch is capped to it (qerl.rl.budget).
+    memory_gb: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
@@ -139,10 +146,24 @@ class TrainConfig(Settings):
                              "one group")
         if self.rl.overlong.enabled and self.rl.overlong.buffer >= self.rl.max_completion_length:
             raise ValueError("rl.overlong.buffer must be below rl.max_completion_length")
+        if self.memory_gb is not None:
+            self._check_budget()
         if self.method == "full" and self.aqn.enabled is True:
             raise ValueError("AQN perturbs the norms of a quantized base; method full has "
                              "none to model: set aqn.enabled false")
         return self
+
+    def _check_budget(self) -> None:
+        if self.method == "full":
+            raise ValueError("memory_gb plans the LoRA methods (qerl, lora, qlora); a full "
+                             "fine-tune's memory is not modelled")
+        if self.engine.backend != "embedded":
+            raise ValueError("memory_gb sizes the embedded engine's KV cache; vLLM sizes its "
+                             "own (engine.backend: embedded)")
+        given = [k for k in ("kv_budget_gb", "max_batch") if getattr(self.engine, k) is not None]
+        if given:
+            raise ValueError(f"memory_gb sizes the rollout's KV cache itself: leave "
+                             f"{', '.join(f'engine.{k}' for k in given)} unset")
 
 
 def load_config(path: str | Path, overrides: dict | None = None) -> TrainConfig:

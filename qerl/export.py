@@ -19,8 +19,8 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from qerl.atomic import atomic_directory
-from qerl.checkpoint import PACKED_SUFFIXES, ShardWriter, add_quantization_config
 from qerl.formats import nvfp4
+from qerl.formats.nvfp4_checkpoint import PACKED_SUFFIXES, ShardWriter, add_quantization_config
 from qerl.nn import NVFP4Linear
 from qerl.policy import ADAPTER, Policy, PolicyError
 

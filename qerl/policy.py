@@ -7,9 +7,11 @@
 
 Models come from a Hugging Face directory or hub id, a GGUF file, an NVFP4 checkpoint
 directory (``qerl quantize``'s output; dequantized for the baselines) or a named
-architecture with random weights. Weights are loaded one tensor (or one fusion group) at a
-time straight to the target device, so a 7B ``qerl`` policy never holds a BF16 copy of
-its projections. LoRA goes through PEFT, so adapters are standard PEFT files.
+architecture with random weights. The dense weights are BF16 on a GPU and, holding the
+same values, fp32 on a CPU (``compute_dtype``). Weights are loaded one tensor (or one
+fusion group) at a time straight to the target device, so a 7B ``qerl`` policy never holds
+a BF16 copy of its projections. LoRA goes through PEFT, so adapters are standard PEFT
+files.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from qerl.archs import MODEL_TYPES
-from qerl.checkpoint import FORMAT, NVFP4Checkpoint, load_checkpoint, read_json
 from qerl.config import LoraSettings
 from qerl.errors import ArchitectureError, QerlError
 from qerl.formats import nvfp4
+from qerl.formats.nvfp4_checkpoint import FORMAT, NVFP4Checkpoint, load_checkpoint, read_json
+from qerl.kernels.nvfp4_matmul import interpreting
 from qerl.methods import METHODS
 from qerl.nn import NVFP4Linear
 from qerl.nn.nvfp4_lora import register_lora_layers
@@ -42,6 +45,15 @@ NORMS_FILE = "norms.safetensors"
 # which PEFT would save into a ref/ subfolder of every adapter folder: saves name ours alone.
 ADAPTER = "default"
 NF4_BLOCK = 64  # bitsandbytes' 4-bit quantization block
+
+
+def compute_dtype(device: str | torch.device) -> torch.dtype:
+    """The dtype a policy's dense weights and activations take on ``device``: BF16 where
+    the NVFP4 kernels run (a GPU, or Triton's CPU interpreter in the tests), fp32 elsewhere.
+    A CPU without BF16 arithmetic (AVX2, the common case) converts every BF16 product
+    first, so its BF16 GEMMs run slower than its fp32 ones; a BF16 weight is exact in fp32."""
+    kernels = torch.device(device).type == "cuda" or interpreting()
+    return torch.bfloat16 if kernels else torch.float32
 
 
 class PolicyError(QerlError):
@@ -105,11 +117,12 @@ class Policy:
 
 def build_policy(method: str, model: str | Path | None = None, *, arch: str | None = None,
                  seed: int = 0, lora: LoraSettings | None = None, aqn: AQNSettings | None = None,
-                 total_steps: int | None = None, device: str | torch.device = "cpu") -> Policy:
+                 total_steps: int | None = None, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | None = None) -> Policy:
     """Build ``method``'s policy from ``model`` (directory, hub id, .gguf file, NVFP4
     checkpoint directory) or ``arch`` (random weights drawn from ``seed``). ``aqn`` needs
     ``total_steps``, the run's number of optimizer steps, to place its stages; its noise is
-    drawn from ``seed`` too."""
+    drawn from ``seed`` too. ``dtype``: the dense weights' (default ``compute_dtype``)."""
     if method not in METHODS:
         raise PolicyError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if aqn is not None and total_steps is None:
@@ -117,7 +130,8 @@ def build_policy(method: str, model: str | Path | None = None, *, arch: str | No
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise PolicyError("device cuda was asked for, but no CUDA GPU is available")
-    base, description, extras = load_base(method, model, arch=arch, seed=seed, device=device)
+    base, description, extras = load_base(method, model, arch=arch, seed=seed, device=device,
+                                          dtype=dtype)
     lora = None if method == "full" else (lora or LoraSettings())
     if lora is None:
         for p in base.parameters():
@@ -155,6 +169,8 @@ def load_adapter(policy: Policy, directory: str | Path, trainable: bool = False)
     directory = Path(directory)
     if policy.lora is None:
         raise PolicyError(f"method {policy.method!r} takes no adapter")
+    if not directory.is_dir():
+        raise PolicyError(f"no adapter directory at {directory}")
     if not (directory / "adapter_config.json").is_file():
         raise PolicyError(f"{directory}: no adapter_config.json; not a PEFT adapter")
     config = _with_lora_layers(LoraConfig.from_pretrained(directory), policy.method)
@@ -183,18 +199,32 @@ def load_adapter(policy: Policy, directory: str | Path, trainable: bool = False)
 # ---- the base model -----------------------------------------------------------------------
 
 def load_base(method: str, model: str | Path | None, *, arch: str | None = None,
-              seed: int = 0, device: str | torch.device = "cpu"
+              seed: int = 0, device: str | torch.device = "cpu",
+              dtype: torch.dtype | None = None
               ) -> tuple[nn.Module, str, Callable[[Path], None]]:
-    """(model, description, writer of its tokenizer files) for ``method``."""
+    """(model, description, writer of its tokenizer files) for ``method``, its dense
+    weights in ``dtype`` (default ``compute_dtype(device)``)."""
     device = torch.device(device)
+    dtype = dtype or compute_dtype(device)
     if model is not None and is_nvfp4_checkpoint(Path(model)):
         ckpt = load_checkpoint(model, device)
         config = _config_from_dict(ckpt.config)
-        built = _from_checkpoint(method, ckpt, config, device)
+        built = _from_checkpoint(method, ckpt, config, device, dtype)
         return built, f"{model} (NVFP4 checkpoint)", partial(copy_extras, Path(model))
     source = open_source(None if model is None else str(model), arch=arch, seed=seed)
     _check_architecture(source.config, source.description)
-    return _from_source(method, source, device), source.description, source.save_extras
+    return (_from_source(method, source, device, dtype), source.description,
+            source.save_extras)
+
+
+def base_config(model: str | Path | None, *, arch: str | None = None) -> PretrainedConfig:
+    """The transformers config of the base ``load_base`` would build, read without building
+    it (nothing goes to a GPU; a GGUF file is read whole, on the CPU)."""
+    if model is not None and is_nvfp4_checkpoint(Path(model)):
+        return _config_from_dict(read_json(Path(model) / "config.json"))
+    config = open_source(None if model is None else str(model), arch=arch).config
+    _check_architecture(config, str(model or arch))
+    return config
 
 
 def is_nvfp4_checkpoint(path: Path) -> bool:
@@ -228,12 +258,12 @@ def _check_architecture(config: PretrainedConfig, where: str) -> None:
                                 f"(supported: {', '.join(MODEL_TYPES)})")
 
 
-def _skeleton(config: PretrainedConfig) -> nn.Module:
+def _skeleton(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
     """The model with its parameters on the meta device (buffers such as rotary tables are
     real, on the CPU)."""
-    config.dtype = torch.bfloat16
+    config.dtype = dtype
     with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def _linear_names(model: nn.Module) -> list[str]:
@@ -255,18 +285,26 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
         owner._buffers[leaf] = value
 
 
-def _dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+def _dense_linear(weight: torch.Tensor, bias: torch.Tensor | None,
+                  dtype: torch.dtype) -> nn.Linear:
     out_features, in_features = weight.shape
     with init_empty_weights():
         layer = nn.Linear(in_features, out_features, bias=bias is not None)
-    layer.weight = nn.Parameter(weight.to(torch.bfloat16), requires_grad=False)
+    layer.weight = nn.Parameter(_bf16_in(weight, dtype), requires_grad=False)
     if bias is not None:
-        layer.bias = nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
+        layer.bias = nn.Parameter(_bf16_in(bias, dtype), requires_grad=False)
     return layer
 
 
-def _from_source(method: str, source: Source, device: torch.device) -> nn.Module:
-    model = _skeleton(source.config)
+def _bf16_in(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float weight as BF16 holds it, in ``dtype``: the same values on a CPU (fp32) as
+    the GPU's BF16 policy has."""
+    return t.to(torch.bfloat16).to(dtype) if t.is_floating_point() else t
+
+
+def _from_source(method: str, source: Source, device: torch.device,
+                 dtype: torch.dtype) -> nn.Module:
+    model = _skeleton(source.config, dtype)
     names = set(source.names())
     linears = _linear_names(model)
     missing = sorted({f"{n}.weight" for n in linears} - names)
@@ -282,42 +320,43 @@ def _from_source(method: str, source: Source, device: torch.device) -> nn.Module
             if n in quantized:
                 layer = NVFP4Linear(quantized[n], None if bias is None else bias.to(torch.bfloat16))
             else:
-                layer = _dense_linear(weights[n], bias)
+                layer = _dense_linear(weights[n], bias, dtype)
             _set_module(model, n, layer)
         del tensors, weights, quantized
     consumed = {f"{n}.{p}" for n in linears for p in ("weight", "bias")}
     for name in sorted(names - consumed):
         t = source.load([name], device)[name]
-        _set_tensor(model, name, t.to(torch.bfloat16) if t.is_floating_point() else t)
-    return _finish(model, method, device, source.description)
+        _set_tensor(model, name, _bf16_in(t, dtype))
+    return _finish(model, method, device, source.description, dtype)
 
 
 def _from_checkpoint(method: str, ckpt: NVFP4Checkpoint, config: PretrainedConfig,
-                     device: torch.device) -> nn.Module:
-    model = _skeleton(config)
+                     device: torch.device, dtype: torch.dtype) -> nn.Module:
+    model = _skeleton(config, dtype)
     for name in _linear_names(model):
         bias = ckpt.dense.get(f"{name}.bias")
         if name in ckpt.quantized:
             q = ckpt.quantized[name]
             layer = (NVFP4Linear(q, bias) if method == "qerl"
-                     else _dense_linear(nvfp4.dequantize(q, torch.bfloat16), bias))
+                     else _dense_linear(nvfp4.dequantize(q, torch.bfloat16), bias, dtype))
         elif f"{name}.weight" in ckpt.dense:  # listed in the checkpoint's ignore
-            layer = _dense_linear(ckpt.dense[f"{name}.weight"], bias)
+            layer = _dense_linear(ckpt.dense[f"{name}.weight"], bias, dtype)
         else:
             raise ArchitectureError(f"the checkpoint has no weight for {name}")
         _set_module(model, name, layer)
     linear_tensors = {f"{n}.{p}" for n in _linear_names(model) for p in ("weight", "bias")}
     for name, t in ckpt.dense.items():
         if name not in linear_tensors:
-            _set_tensor(model, name, t)
-    return _finish(model, method, device, "the NVFP4 checkpoint")
+            _set_tensor(model, name, _bf16_in(t, dtype))
+    return _finish(model, method, device, "the NVFP4 checkpoint", dtype)
 
 
-def _finish(model: nn.Module, method: str, device: torch.device, where: str) -> nn.Module:
+def _finish(model: nn.Module, method: str, device: torch.device, where: str,
+            dtype: torch.dtype) -> nn.Module:
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     if method == "qlora":
-        _to_nf4(model, device)
+        _to_nf4(model, device, dtype)
     model.to(device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
             if t.device.type == "meta"]
@@ -327,9 +366,9 @@ def _finish(model: nn.Module, method: str, device: torch.device, where: str) -> 
     return model
 
 
-def _to_nf4(model: nn.Module, device: torch.device) -> None:
+def _to_nf4(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """QLoRA's base: every decoder Linear as bitsandbytes NF4 with double quantization,
-    computing in BF16."""
+    computing in the policy's dtype (BF16 on a GPU)."""
     try:
         import bitsandbytes as bnb
     except ImportError as e:
@@ -340,7 +379,7 @@ def _to_nf4(model: nn.Module, device: torch.device) -> None:
             raise PolicyError(f"bitsandbytes' CPU NF4 matmul needs in_features % {NF4_BLOCK} "
                               f"== 0; {name} has {dense.in_features} (use a GPU)")
         layer = bnb.nn.Linear4bit(dense.in_features, dense.out_features,
-                                  bias=dense.bias is not None, compute_dtype=torch.bfloat16,
+                                  bias=dense.bias is not None, compute_dtype=dtype,
                                   compress_statistics=True, quant_type="nf4", device="meta")
         layer.weight = bnb.nn.Params4bit(dense.weight.data, requires_grad=False,
                                          compress_statistics=True, quant_type="nf4")

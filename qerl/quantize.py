@@ -18,9 +18,9 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from qerl.atomic import atomic_directory
-from qerl.checkpoint import PACKED_SUFFIXES, ShardWriter, add_quantization_config
 from qerl.errors import ArchitectureError, CheckpointError, GroupSizeError, QerlError
 from qerl.formats import nvfp4
+from qerl.formats.nvfp4_checkpoint import PACKED_SUFFIXES, ShardWriter, add_quantization_config
 from qerl.sources import Source
 
 # Projections that vLLM fuses into one matrix, so they must share a global scale.

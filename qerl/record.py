@@ -10,8 +10,12 @@ import hashlib
 import importlib.metadata
 import os
 import platform
+import secrets
+import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
+
+from qerl.atomic import make_directory
 
 
 def card_name(device: str) -> str:
@@ -50,16 +54,49 @@ def provenance(device: str) -> dict:
         "triton": version("triton"),
         "qerl": code_version(),
         "qerl_source": source_digest(),
+        "run": run_id(),
     }
 
 
+@functools.cache
+def run_id() -> str:
+    """The id of this invocation, the same in every row it writes: a ratio pairs rows of one
+    run by it (qerl.report.collect.different_runs), not by their dates."""
+    return f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
+
+
 def code_version() -> str:
-    """qerl's version, and the commit it was built from where known (QERL_COMMIT: the
-    workflow sets it from its checkout, the Docker image from its build)."""
-    commit = os.environ.get("QERL_COMMIT")
+    """qerl's version, and the commit it was built from where known: QERL_COMMIT (the
+    workflow sets it from its checkout, the Docker image from its build), else the commit of
+    the checkout qerl runs from (``checkout_commit``)."""
+    commit = os.environ.get("QERL_COMMIT") or checkout_commit()
     if not commit:
         return version("qerl")
     return f"{version('qerl')}+{commit[:12]}{'-dirty' if commit.endswith('-dirty') else ''}"
+
+
+@functools.cache
+def checkout_commit(root: Path | None = None) -> str | None:
+    """The commit of the git checkout at ``root`` (default: the folder above the running
+    package, where an editable install leaves it), "-dirty" when tracked files differ from
+    it; None for an installed copy (no .git there) or where git cannot say."""
+    root = Path(__file__).resolve().parents[1] if root is None else Path(root)
+    if not (root / ".git").exists():
+        return None
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True,
+                                  text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):  # no git, or a hung one
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    if not head:
+        return None
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return head + ("-dirty" if dirty else "")
 
 
 # The files a qerl wheel carries (setuptools' packages and package-data in pyproject.toml).
@@ -96,7 +133,7 @@ def append_rows(path: Path, rows: list[dict]) -> None:
     with columns the file lacks (a benchmark that records more than it used to) rewrite it
     with the union of both, the old rows' new cells left empty, so no row is lost or shifted
     under another column's header."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_directory(path.parent)
     fields = list(dict.fromkeys(key for row in rows for key in row))
     old: list[dict] = []
     if path.is_file() and path.stat().st_size:

@@ -16,8 +16,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from qerl import archs
-from qerl.checkpoint import load_tensors, read_json, weight_files
 from qerl.errors import ArchitectureError, CheckpointError
+from qerl.formats.nvfp4_checkpoint import load_tensors, read_json, weight_files
 
 # Files copied next to the weights: tokenizer, chat template, generation defaults.
 EXTRA_FILE_PATTERNS = (

@@ -25,10 +25,10 @@ REQUIRE_ALL = os.environ.get("QERL_REQUIRE_ALL_TESTS") == "1"
 
 @pytest.fixture
 def reference_kernels(monkeypatch):
-    """Without a GPU, NVFP4 layers run the torch reference (dequantize, then matmul), as qerl
-    does on a CPU, instead of Triton's interpreter (~0.3 s a matmul: most of a CPU training
-    run's time). For tests of what the layers feed; the kernels themselves are checked under
-    the interpreter (tests/kernels, tests/nn, the engine's fused step)."""
+    """Without a GPU, the policy runs as qerl does on a CPU (fp32, each NVFP4 layer's weight
+    decoded once) instead of under Triton's interpreter, whose kernels take most of a CPU
+    training run's time. For tests of what the layers feed; the kernels themselves are
+    checked under the interpreter (tests/kernels, tests/nn, the engine's fused step)."""
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "0")
 
@@ -149,6 +149,23 @@ def tiny_checkpoint(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt") / "nvfp4"
     quantize_model(open_source(str(tiny_model_dir)), out, progress=False)
     return out
+
+
+# E2M1 magnitudes by code (bit 3: sign), as the format's specification lists them.
+SPEC_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def spec_weight(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor
+                ) -> torch.Tensor:
+    """An NVFP4 weight decoded in float64 from its compressed-tensors tensors (packed
+    [N, K/2], even element in the low nibble; fp8 scale [N, K/16]; global scale), by the
+    specification, not by qerl's code."""
+    packed = packed.to(torch.int64)
+    codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+    magnitude = torch.tensor(SPEC_E2M1, dtype=torch.float64)[codes & 7]
+    values = torch.where(codes >= 8, -magnitude, magnitude)
+    return (values * scale.to(torch.float64).repeat_interleave(16, dim=1)
+            / global_scale.to(torch.float64))
 
 
 def tree_digests(root: Path) -> dict[str, bytes]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from qerl.atomic import atomic_directory, claim, lock_path
+from qerl.atomic import atomic_directory, claim, lock_path, make_directory
 from qerl.errors import QerlError
 
 HOLD = """
@@ -66,10 +66,28 @@ def test_a_killed_holder_releases_the_output(tmp_path):
 
 
 def test_claims_are_per_output_and_released_on_exit(tmp_path):
-    with claim(tmp_path / "a", "x"), claim(tmp_path / "b", "x"):
+    """Two outputs held at once by one process each have their lock; a third claim of
+    either fails (flock locks an open file, so even this process's second open is refused),
+    and on exit both locks are gone and the outputs free."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    with claim(a, "x"), claim(b, "x"):
+        assert lock_path(a).is_file() and lock_path(b).is_file()
+        for held in (a, b):
+            with pytest.raises(QerlError, match=f"{held} is being written"), claim(held, "y"):
+                pass
+    assert not lock_path(a).exists() and not lock_path(b).exists()
+    with claim(a, "x"):
+        assert lock_path(a).is_file()
+
+
+def test_an_output_that_cannot_be_a_directory_is_refused_by_name(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(QerlError, match=f"{tmp_path / 'file'} is a file, not a directory"):
+        make_directory(tmp_path / "file" / "out")
+    with pytest.raises(QerlError, match=f"{tmp_path / 'file'} is a file, not a directory"), \
+            claim(tmp_path / "file" / "out", "x"):
         pass
-    with claim(tmp_path / "a", "x"):
-        pass
+    assert make_directory(tmp_path / "new" / "out").is_dir()
 
 
 def test_overwrite_never_replaces_an_output_being_written(tmp_path):

@@ -17,7 +17,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench"
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
 @pytest.mark.parametrize("what", ["kernels", "kernel-paths", "token-tiles", "memory", "rollout",
-                                  "decode-step", "step"])
+                                  "decode-step", "step", "budget"])
 def test_gpu_benchmarks_name_the_missing_gpu(what):
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         main(["bench", what])
@@ -110,7 +110,7 @@ def test_the_footprint_refuses_what_it_does_not_model(tmp_path):
 
 
 def test_layer_sweeps_refuse_a_layer_a_model_lacks_before_measuring():
-    from qerl.bench.kernels import model_layers
+    from qerl.bench.layer_sweep import model_layers
 
     grid = model_layers("kernel-paths", "qwen2.5-7b,qwen2.5-32b", "gate_up,down")
     assert [(arch, layer) for arch, layer, _ in grid] == [
@@ -124,7 +124,7 @@ def test_layer_sweeps_refuse_a_layer_a_model_lacks_before_measuring():
 def test_layer_sweeps_record_each_layer_as_it_is_measured(tmp_path):
     import pandas as pd
 
-    from qerl.bench.kernels import model_layers, record_sweep
+    from qerl.bench.layer_sweep import model_layers, record_sweep
 
     grid = model_layers("kernel-paths", "qwen2.5-7b", "o,qkv")
     path = tmp_path / "sweep.csv"
@@ -383,3 +383,55 @@ def test_decode_step_runs_the_engines_asked_for(monkeypatch, tmp_path, capsys):
     decode_step.main(["--out-dir", str(tmp_path), "--weights", "bf16", "--fused", "1"])
     decode_step.main(["--out-dir", str(tmp_path), "--weights", "bf16"])
     assert seen == [(True,), (True, False)]
+
+
+def _children_running(code: str) -> int:
+    """This process's children whose command line holds ``code`` (read from /proc)."""
+    import os
+
+    found = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue  # ended while read
+        found += ppid == os.getpid() and code in cmdline
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_busy_neighbours_run_while_a_measurement_does_and_end_with_it():
+    from qerl.bench.step import BUSY_LOOP, busy_processes
+
+    with busy_processes(2):
+        assert _children_running(BUSY_LOOP) == 2
+    assert _children_running(BUSY_LOOP) == 0
+
+
+@pytest.mark.parametrize("busy", ["1", "x", "0,-1"])
+def test_busy_neighbours_are_a_cpu_measurements_counts(busy, capsys):
+    device = ["--device", "cpu"] if busy != "1" else []  # 1 on a GPU: refused too
+    with pytest.raises(SystemExit):
+        main(["bench", "step", *device, "--busy", busy])
+    assert "--busy takes counts of processes" in capsys.readouterr().err
+
+
+def test_a_step_of_a_named_model_trains_it_with_its_own_tokenizer(tmp_path):
+    """--model: that model (here the packaged SmolLM2's name), its tokenizer, the prompt
+    length asked for; the configuration is one qerl train accepts."""
+    import argparse
+
+    from qerl.bench.step import run_config, step_arguments
+    from qerl.config import parse_config
+
+    parser = argparse.ArgumentParser()
+    step_arguments(parser, prompts=2)
+    args = parser.parse_args(["--generations", "4", "--completion", "16", "--rank", "16"])
+    args.__dict__.update(model="smollm2-135m-instruct", prompt_tokens=128, device="cpu",
+                         steps=3, micro_batch=8, grad_ckpt=False, memory_gb=None)
+    config = run_config(args, args.model, "qerl", tmp_path)
+    assert config["model"] == "smollm2-135m-instruct" and "tokenizer" not in config
+    assert config["rl"]["max_prompt_length"] == 128
+    parsed = parse_config(config)
+    assert (parsed.rl.num_generations, parsed.rl.max_completion_length) == (4, 16)

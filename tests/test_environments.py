@@ -1,7 +1,8 @@
 """The Docker image definition and its pinned environments, checked statically: hadolint on
-the Dockerfile, every requirement set it installs present, copied in and pinned with ==, and
-the documented `docker run` commands naming config files that exist. No image is built and
-nothing is resolved here (.ci/resolve-envs does that, against the package index)."""
+the Dockerfile, every requirement set it installs present, copied in and pinned with ==, one
+torch per CUDA version for every environment, and the documented `docker run` commands naming
+config files that exist. The image itself is built and run by .ci/image, and each set is
+resolved against the package index by .ci/resolve-envs."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKER_CONFIG = "workflows/config/docker.yaml"
 SIDE_ENVS = {"lm-eval", "lighteval", "llmcompressor"}
-VLLM_SET = "requirements/vllm.txt"
+CUDAS = ("12", "13")
+# The torch PyPI builds for each CUDA version (torch 2.10.0 is the last CUDA 12 build).
+TORCH = {"12": "2.10.0", "13": "2.13.0"}
 # name[extras]==version[; marker]: a public version, no local label (+cpu is not on PyPI).
 PINNED = re.compile(
     r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)(\[[A-Za-z0-9._,-]+\])?"
@@ -48,37 +51,47 @@ def _instructions() -> list[tuple[str, str]]:
     return out
 
 
-def _copy_sources() -> list[str]:
+def _default(arg: str) -> str:
+    (value,) = [a.split("=", 1)[1] for k, a in _instructions() if k == "ARG"
+                and a.startswith(f"{arg}=")]
+    return value
+
+
+def _expand(text: str, cuda: str) -> str:
+    return re.sub(r"\$\{?CUDA\}?", cuda, text)
+
+
+def _copy_sources(cuda: str) -> list[str]:
     sources = []
     for keyword, args in _instructions():
         if keyword not in ("COPY", "ADD"):
             continue
         parts = yaml.safe_load(args) if args.startswith("[") else shlex.split(args)
-        parts = [p for p in parts if not p.startswith("--")]
+        parts = [_expand(p, cuda) for p in parts if not p.startswith("--")]
         assert len(parts) >= 2, f"{keyword} {args}: no source"
         sources += parts[:-1]
     return sources
 
 
-def _installed_requirement_files(constrained_only: bool = False) -> dict[str, str]:
-    """Every file a RUN passes to pip with -r/-c (a for loop's variable expanded) -> the flag;
-    with ``constrained_only``, of the RUNs that pass a constraint file."""
-    files: dict[str, str] = {}
+def _installed_requirement_files(cuda: str) -> dict[str, set[str]]:
+    """Every file a RUN passes to pip with -r/-c (a for loop's variable expanded, CUDA as
+    given) -> how: {"requirement", "constraint"} or one of them."""
+    files: dict[str, set[str]] = {}
     for keyword, args in _instructions():
-        if keyword != "RUN" or (constrained_only and not re.search(r"(-c|--constraint)[ =]",
-                                                                      args)):
+        if keyword != "RUN":
             continue
+        args = _expand(args, cuda)
         loops = dict(re.findall(r"\bfor (\w+) in ([^;]+);", args))
         for flag, path in re.findall(r"(-r|--requirement|-c|--constraint)[ =]+([^\s;&|]+)", args):
             path = path.strip("\"'")
-            variables = re.findall(r"\$\{?(\w+)\}?", path)
             expanded = [path]
-            for var in variables:
+            for var in re.findall(r"\$\{?(\w+)\}?", path):
                 assert var in loops, f"{path}: ${var} is not a for loop's variable"
                 expanded = [re.sub(rf"\$\{{?{var}\}}?", value, p)
                             for p in expanded for value in loops[var].split()]
             for p in expanded:
-                files[p] = "constraint" if flag in ("-c", "--constraint") else "requirement"
+                how = "constraint" if flag in ("-c", "--constraint") else "requirement"
+                files.setdefault(p, set()).add(how)
     return files
 
 
@@ -109,60 +122,77 @@ def test_dockerfile_passes_hadolint():
     assert result.returncode == 0, f"hadolint:\n{result.stdout}{result.stderr}"
 
 
-def test_copy_sources_exist():
-    sources = _copy_sources()
+@pytest.mark.parametrize("cuda", CUDAS)
+def test_copy_sources_exist(cuda):
+    sources = _copy_sources(cuda)
     assert sources
     for source in sources:
         assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
 
 
-def test_every_installed_requirement_set_exists_is_copied_and_pinned():
-    files = _installed_requirement_files()
-    expected = {"requirements/main.txt", VLLM_SET} | {f"workflows/envs/{e}.txt"
-                                                       for e in SIDE_ENVS}
-    assert expected <= {f for f, kind in files.items() if kind == "requirement"}, files
-    copied = _copy_sources()
-    torch = {}
+@pytest.mark.parametrize("cuda", CUDAS)
+def test_every_installed_requirement_set_exists_is_copied_and_pinned(cuda):
+    files = _installed_requirement_files(cuda)
+    sets = {"requirements/main.txt", f"requirements/vllm-cu{cuda}.txt",
+            f"requirements/torch-cu{cuda}.txt"} | {f"workflows/envs/{e}.txt" for e in SIDE_ENVS}
+    assert sets <= {f for f, how in files.items() if "requirement" in how}, files
+    copied = _copy_sources(cuda)
     for path in files:
         assert (ROOT / path).is_file(), f"{path}: installed by the Dockerfile, missing here"
         assert path in copied or any(
             path.startswith(c.rstrip("/") + "/") for c in copied if c != "."
         ), f"{path}: installed but not copied in before the RUN"
+        assert _pins(path), f"{path}: no requirement"
+    # docker/cuda-compiler's sets, and the one pin of a RUN line.
+    for path in [f"requirements/nvcc-cu{cuda}.txt", "requirements/ptxas-cu12.txt"]:
+        assert path in copied and _pins(path), path
+    main = _pins("requirements/main.txt")
+    assert "qerl" not in main, "qerl is installed from the source"
+    assert "vllm" not in main, "vLLM is an optional extra only"
+
+
+@pytest.mark.parametrize("cuda", CUDAS)
+def test_one_torch_for_every_environment(cuda):
+    """torch comes from the torch set alone: the main and side sets leave it out and take that
+    set as their constraints, with which they agree (pip fails on a requirement and a
+    constraint that disagree); the vLLM set pins the same torch and triton, so that /opt/torch
+    serves it too."""
+    files = _installed_requirement_files(cuda)
+    torch_set = f"requirements/torch-cu{cuda}.txt"
+    torch = _pins(torch_set)
+    assert torch["torch"] == TORCH[cuda], (torch_set, torch["torch"])
+    constrained = ["requirements/main.txt"] + [f"workflows/envs/{e}.txt" for e in SIDE_ENVS]
+    assert {p for p, how in files.items() if "constraint" in how} == {torch_set}
+    for path in constrained:
         pins = _pins(path)
-        assert pins, f"{path}: no requirement"
-        if "torch" in pins:
-            torch[path] = pins["torch"]
-    assert "qerl" not in _pins("requirements/main.txt"), "qerl is installed from the source"
-    assert "vllm" not in _pins("requirements/main.txt"), "vLLM is an optional extra only"
-    # One torch everywhere: requirements/constraints.txt pins the CUDA packages of one version.
-    assert set(torch) == {f for f, kind in files.items() if kind == "requirement"}, torch
-    assert len(set(torch.values())) == 1, torch
+        assert "torch" not in pins and "triton" not in pins, f"{path} pins its own torch"
+        clashes = {n: (v, torch[n]) for n, v in pins.items() if n in torch and torch[n] != v}
+        assert not clashes, f"{path} vs {torch_set}: {clashes}"
+    vllm = _pins(f"requirements/vllm-cu{cuda}.txt")
+    assert (vllm["torch"], vllm["triton"]) == (torch["torch"], torch["triton"])
+    assert "qerl" not in vllm  # installed from the source, --no-deps
 
 
-def test_constraints_agree_with_every_set():
-    """pip fails on a requirement and a constraint that disagree: catch it here."""
-    files = _installed_requirement_files(constrained_only=True)
-    assert VLLM_SET not in files  # its own CUDA packages: installed without constraints
-    constraints = [f for f, kind in files.items() if kind == "constraint"]
-    for constraint in constraints:
-        pinned = _pins(constraint)
-        for path, kind in files.items():
-            if kind == "requirement":
-                clashes = {n: (v, pinned[n]) for n, v in _pins(path).items()
-                           if n in pinned and pinned[n] != v}
-                assert not clashes, f"{path} vs {constraint}: {clashes}"
-
-
-def test_the_vllm_set_holds_the_extras_vllm_with_the_images_torch():
-    """qerl[vllm]'s range admits the set's vLLM, whose torch is the main set's."""
+def test_the_vllm_extra_admits_each_sets_vllm():
     from packaging.requirements import Requirement
 
     (extra,) = re.findall(r'^vllm = \["([^"]+)"\]$', (ROOT / "pyproject.toml").read_text(),
                           re.M)
-    pins = _pins(VLLM_SET)
-    assert Requirement(extra).specifier.contains(pins["vllm"]), (extra, pins["vllm"])
-    assert pins["torch"] == _pins("requirements/main.txt")["torch"]
-    assert "qerl" not in pins  # installed from the source, --no-deps
+    for cuda in CUDAS:
+        pins = _pins(f"requirements/vllm-cu{cuda}.txt")
+        assert Requirement(extra).specifier.contains(pins["vllm"]), (extra, pins["vllm"])
+
+
+def test_the_default_image_is_cuda_12_and_asks_the_runtime_for_its_driver():
+    """CUDA 12 by default, and the NVIDIA container runtime is told what the image needs: the
+    GPUs, the compute capability, and the CUDA version and driver a host must have."""
+    assert _default("CUDA") == "12" and int(_default("DRIVER")) >= 525
+    env = " ".join(a for k, a in _instructions() if k == "ENV")
+    for setting in ("NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_DRIVER_CAPABILITIES=compute,utility",
+                    'NVIDIA_REQUIRE_CUDA="cuda>=${CUDA}.0,driver>=${DRIVER}"'):
+        assert setting in env, setting
+    base = [a for k, a in _instructions() if k == "FROM"]
+    assert base == ["${BASE}"] and _default("BASE").startswith(("debian:", "ubuntu:"))
 
 
 def test_docker_config_names_the_side_environments_built():
@@ -172,7 +202,7 @@ def test_docker_config_names_the_side_environments_built():
     loops = dict(re.findall(r"\bfor (\w+) in ([^;]+);", runs))
     built = set()
     for var, values in loops.items():
-        if f'python3 -m venv "/opt/envs/${var}"' in runs:
+        if f'docker/venv "/opt/envs/${var}"' in runs:
             built |= set(values.split())
     for name, bin_dir in envs.items():
         assert bin_dir == f"/opt/envs/{name}/bin", (name, bin_dir)
@@ -207,3 +237,26 @@ def test_documented_docker_run_names_config_files_that_exist(config):
     if not path.exists():
         pytest.skip(f"{config} is not written yet")
     assert isinstance(yaml.safe_load(path.read_text()), dict), config
+
+
+def _readme_container_commands() -> list[list[str]]:
+    """The docker commands of the README's container section, continuation lines joined."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## The container"):]
+    block = section[section.index("```bash") + 7:section.index("```", section.index("```bash") + 7)]
+    lines = block.replace("\\\n", " ").splitlines()
+    return [shlex.split(line.split(" #")[0]) for line in lines if line.startswith("docker ")]
+
+
+def test_the_readme_builds_and_runs_the_image_as_ci_does():
+    """CI (.ci/image, buildah) passes the README's `docker build` arguments, and runs the
+    image's default command with the same folder mounted as the README's CPU run."""
+    ci = (ROOT / ".ci" / "image").read_text()
+    build, *runs = _readme_container_commands()
+    assert build[:2] == ["docker", "build"] and build[-1] == "."
+    for name in [build[i + 1].split("=")[0] for i, a in enumerate(build) if a == "--build-arg"]:
+        assert f"--build-arg {name}=" in ci, f"CI builds without --build-arg {name}"
+    cpu = next(run for run in runs if "--gpus" not in run)
+    assert cpu[-1] == "qerl", f"{cpu}: runs something else than the image's default command"
+    assert "-v" in cpu and cpu[cpu.index("-v") + 1].endswith(":/workspace/work")
+    assert '--volume "$out:/workspace/work"' in ci and ".OCIv1.Config.Cmd" in ci

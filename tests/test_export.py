@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from qerl.checkpoint import load_checkpoint
 from qerl.cli import main
 from qerl.config import LoraSettings
 from qerl.errors import QerlError
 from qerl.export import export_for_vllm, export_merged
+from qerl.formats.nvfp4_checkpoint import load_checkpoint
 from qerl.noise import AQNSettings
 from qerl.policy import PolicyError, build_policy, load_adapter
 from tests.conftest import fresh_seed, require_smollm2, run_python, tree_digests

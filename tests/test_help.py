@@ -7,7 +7,8 @@ import importlib
 
 import pytest
 
-from qerl.cli import BENCHMARKS, build_parser
+from qerl.bench.registry import COMMANDS
+from qerl.cli import build_parser
 
 
 class _Built(Exception):
@@ -49,9 +50,9 @@ def test_every_command_names_its_defaults():
         assert undocumented_defaults(parser) == [], parser.prog
 
 
-@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+@pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_every_benchmark_names_its_defaults(name, monkeypatch):
-    parser = benchmark_parser(BENCHMARKS[name], monkeypatch)
+    parser = benchmark_parser(COMMANDS[name], monkeypatch)
     assert undocumented_defaults(parser) == []
 
 
@@ -62,3 +63,15 @@ def test_argparse_alone_would_hide_them():
     parser.add_argument("--rank", type=int, default=32, help="LoRA rank")
     parser.add_argument("--device", help="default: cuda if available")
     assert undocumented_defaults(parser) == ["--steps", "--rank"]
+
+
+def test_help_shows_no_docstring_markup(monkeypatch):
+    """Descriptions come from docstrings: their ``literal`` quotes are dropped, and a
+    command continued over lines with a backslash keeps its lines."""
+    parsers = [*parsers_of(build_parser()),
+               *(benchmark_parser(module, monkeypatch) for module in COMMANDS.values())]
+    for parser in parsers:
+        text = parser.format_help()
+        assert "``" not in text, parser.prog
+        lines = [line for line in text.splitlines() if line.lstrip().startswith("qerl ")]
+        assert all(len(line) <= 100 for line in lines), (parser.prog, lines)

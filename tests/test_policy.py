@@ -24,6 +24,7 @@ from tests.conftest import (
     require_smollm2,
     run_python,
     save_tiny_model,
+    spec_weight,
     tree_digests,
 )
 
@@ -101,6 +102,32 @@ def test_kernel_lora_layer_matches_the_bf16_lora_layer(tiny_checkpoint, shape):
         got = qerl.base_model.model.layers[1].get_submodule(layer)(x)
         ref = bf16.base_model.model.layers[1].get_submodule(layer)(x)
         assert rel(got.float(), ref.float()) < 1.6e-2, f"seed {seed}, {layer}"
+
+
+def test_a_cpu_policy_computes_the_checkpoint_in_fp32(tiny_checkpoint, reference_kernels):
+    """Where no kernel runs (a CPU), the dense weights are fp32 holding the checkpoint's
+    BF16 values and each NVFP4 layer multiplies by its weight decoded in fp32: the logits
+    are transformers' own model in float64 over the checkpoint's weights, decoded by the
+    specification, to fp32 rounding (two layers of hidden 64, fp32 sums)."""
+    from transformers import AutoConfig
+
+    policy = build_policy("qerl", tiny_checkpoint)
+    floats = [p for p in policy.model.parameters() if p.is_floating_point()]
+    assert floats and all(p.dtype == torch.float32 for p in floats)
+    stored = load_file(tiny_checkpoint / "model.safetensors")
+    weights = {name: t.double() for name, t in stored.items() if t.is_floating_point()
+               and not name.rsplit(".", 1)[1].startswith("weight_")}
+    for name in {n.rsplit(".", 1)[0] for n in stored if n.endswith(".weight_packed")}:
+        weights[f"{name}.weight"] = spec_weight(*(stored[f"{name}.weight_{part}"] for part in
+                                                  ("packed", "scale", "global_scale")))
+    config = AutoConfig.from_pretrained(tiny_checkpoint)
+    del config.quantization_config
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+    reference.load_state_dict(weights)  # strict: every tensor of the model given
+    with torch.no_grad():
+        want = reference(IDS).logits
+    got = logits(policy).double()
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 def test_qerl_from_bf16_source_quantizes_as_the_checkpoint_does(tiny_model_dir,

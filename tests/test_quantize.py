@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qerl.checkpoint import load_checkpoint
 from qerl.cli import main
 from qerl.formats import nvfp4
+from qerl.formats.nvfp4_checkpoint import load_checkpoint
 from qerl.quantize import fusion_groups
 from tests.conftest import run_python, save_tiny_model, tree_digests
 

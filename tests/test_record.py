@@ -36,7 +36,7 @@ def test_provenance_names_the_code_that_ran(monkeypatch):
     from qerl.record import version
 
     monkeypatch.delenv("QERL_COMMIT", raising=False)
-    assert provenance("cpu")["qerl"] == version("qerl") != ""
+    assert provenance("cpu")["qerl"].startswith(version("qerl")) and version("qerl")
     monkeypatch.setenv("QERL_COMMIT", "8333badc8cc252e518d1be265946552e316f8c86")
     assert provenance("cpu")["qerl"] == f"{version('qerl')}+8333badc8cc2"
     # A checkout with changes the commit lacks says so (the workflow's "-dirty").
@@ -78,3 +78,35 @@ def test_qerl_version_names_the_code_installed(capsys, monkeypatch):
     said = capsys.readouterr().out
     assert said.startswith(f"qerl {code_version()} (source {source_digest()}, ")
     assert "+8333badc8cc2" in said
+
+
+def test_a_checkout_names_its_commit(tmp_path, monkeypatch):
+    """Run from a git checkout (an editable install), qerl's version carries the checkout's
+    commit, "-dirty" once a tracked file changes; an installed copy (no .git) its version
+    alone."""
+    import shutil
+    import subprocess
+
+    from qerl.record import checkout_commit, code_version, version
+
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), *args], check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    assert checkout_commit(tmp_path) is None
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "a")
+    head = git("rev-parse", "HEAD")
+    checkout_commit.cache_clear()
+    assert checkout_commit(tmp_path) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    checkout_commit.cache_clear()
+    assert checkout_commit(tmp_path) == f"{head}-dirty"
+    monkeypatch.delenv("QERL_COMMIT", raising=False)
+    monkeypatch.setattr("qerl.record.checkout_commit", lambda: head)
+    assert code_version() == f"{version('qerl')}+{head[:12]}"

@@ -36,7 +36,7 @@ from qerl.help_format import HelpFormatter
 from qerl.policy import build_policy
 from qerl.record import append_rows, per_card, provenance
 from qerl.rollout import Engine, SamplingParams
-from qerl.rollout.sampling import sample
+from qerl.rollout.sampling_params import sample
 
 # The parts of a step, told by their kernels' names (the first that matches): LoRA's own
 # kernels, the projections' and lm_head's matmuls (ours, cuBLAS's and their split-K

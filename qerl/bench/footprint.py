@@ -5,20 +5,9 @@ to try before a long run, and what took the memory of one that ran out.
     qerl bench footprint --archs qwen2.5-7b,qwen2.5-32b \\
         --measured results/bench/efficiency_NVIDIA_H100_80GB_HBM3.csv
 
-The terms (decimal GB), for P prompts x G completions of L tokens after a prompt of
---prompt-len, trained in micro-batches with gradient checkpointing (as `qerl bench step
---grad-ckpt`; without it every layer keeps its activations, which this does not model):
-- weights: the decoder's projections in the method's format (BF16 2 bytes a weight; NVFP4
-  and NF4 4 bits plus one 8- or 32-bit scale per 16 or 64: 0.5625 bytes), the rest in BF16;
-- lora: the adapters in fp32 with their gradients and AdamW's two moments (16 bytes each);
-- kv_cache: the rollout engine's cache, sized for all P x G sequences at full length;
-- checkpointed: each layer's input for one micro-batch, kept for the backward pass;
-- layer: one layer's activations while it is recomputed in the backward pass, the peak:
-  for lora and qerl 4 intermediate-sized and 8 hidden-sized BF16 tensors a token (fitted
-  to the measured 7B, 14B and 32B steps: LoRA added inside the GEMM, Liger's norm and
-  SwiGLU); qlora's LoRA layer is PEFT's own, which keeps an fp32 copy of each projection's
-  input for the adapter (six hidden-sized, one intermediate-sized: 12 and 2 BF16 tensors'
-  worth more), so 6 and 20.
+The terms (decimal GB) and what they model: qerl.rl.footprint, for P prompts x G
+completions of L tokens after a prompt of --prompt-len, all P x G in the rollout's KV cache,
+trained in micro-batches with gradient checkpointing (as `qerl bench step --grad-ckpt`).
 tests/test_bench_cli.py holds the estimate within 10% of every committed `qerl bench step`
 measurement.
 ``--measured`` adds the measured peak of runs with the same settings beside each row.
@@ -31,10 +20,7 @@ from pathlib import Path
 
 from qerl.help_format import HelpFormatter
 from qerl.methods import LORA_METHODS
-
-GB = 1e9
-QUANTIZED_BYTES = 0.5 + 1 / 16  # 4-bit values + one 8-bit scale per 16 (NF4: 32-bit per 64)
-TERMS = ("weights", "lora", "kv_cache", "checkpointed", "layer")
+from qerl.rl.footprint import Step, step_memory
 
 
 def estimate(arch: str, method: str, prompts: int, generations: int, completion: int,
@@ -42,30 +28,8 @@ def estimate(arch: str, method: str, prompts: int, generations: int, completion:
     """The terms of one step's peak GPU memory (GB) and their total."""
     from qerl.archs import config_for
 
-    if method not in LORA_METHODS:
-        raise ValueError(f"footprint models the LoRA methods {LORA_METHODS}, not {method!r}")
-
-    c = config_for(arch)
-    hidden, inter, layers = c.hidden_size, c.intermediate_size, c.num_hidden_layers
-    head_dim = getattr(c, "head_dim", None) or hidden // c.num_attention_heads
-    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
-    shapes = [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden),
-              (hidden, inter), (hidden, inter), (inter, hidden)]
-    projections = layers * sum(a * b for a, b in shapes)
-    adapters = layers * sum(rank * (a + b) for a, b in shapes)
-    dense = c.vocab_size * hidden * (1 if c.tie_word_embeddings else 2)
-    tokens = prompt_len + completion
-    terms = {
-        "weights": projections * (2 if method == "lora" else QUANTIZED_BYTES)
-        + dense * 2,
-        "lora": adapters * 16,
-        "kv_cache": layers * 2 * kv * 2 * prompts * generations * tokens,
-        "checkpointed": layers * micro_batch * tokens * hidden * 2,
-        "layer": micro_batch * tokens * ((6 * inter + 20 * hidden) if method == "qlora"
-                                         else (4 * inter + 8 * hidden)) * 2,
-    }
-    terms = {k: v / GB for k, v in terms.items()}
-    return {**terms, "total": sum(terms.values())}
+    return step_memory(config_for(arch), Step(method, prompts * generations, micro_batch,
+                                              prompt_len, completion, rank))
 
 
 def measured_peaks(path: Path):
@@ -73,11 +37,11 @@ def measured_peaks(path: Path):
     CSV."""
     import pandas as pd
 
-    from qerl.report.collect import STEP_SETTINGS
+    from qerl.report.collect import step_settings
 
     frame = pd.read_csv(path)
-    frame = frame[frame.grad_ckpt == 1].drop_duplicates(["model", "method", *STEP_SETTINGS],
-                                                       keep="last")
+    frame = frame[frame.grad_ckpt == 1].drop_duplicates(
+        ["model", "method", *step_settings(frame)], keep="last")
     return {(r.model, r.method, r.prompts, r.generations, r.completion, r.micro_batch,
              r.lora_rank): (r.status, r.peak_gb) for r in frame.itertuples()}
 

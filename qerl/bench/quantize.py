@@ -71,7 +71,7 @@ def measure(args: argparse.Namespace) -> dict:
 
 def write_bf16_checkpoint(arch: str, directory: Path, device: str) -> None:
     """A BF16 safetensors checkpoint of ``arch`` with random weights, 2 GiB shards."""
-    from qerl.checkpoint import ShardWriter
+    from qerl.formats.nvfp4_checkpoint import ShardWriter
     from qerl.sources import open_source
 
     source = open_source(arch=arch)

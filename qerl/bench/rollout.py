@@ -4,11 +4,11 @@ and NVFP4 (qerl/bench/vllm_rollout.py), at Qwen2.5 shapes with random weights.
 
     qerl bench rollout                              # -> results/bench/rollout_<card>.csv
     qerl bench rollout --archs qwen2.5-7b --batches 1,32 --prompt-lens 256 --gen-len 1024
-    qerl bench rollout --archs qwen2.5-14b --weights bf16,nvfp4,nf4 --ranks 16,32,64 \
+    qerl bench rollout --archs qwen2.5-14b --weights bf16,nvfp4,nf4 --ranks 16,32,64 \\
         --batches 1 --prompt-lens 256     # the paper's throughput-by-rank figure
-    qerl bench rollout --archs qwen2.5-7b --weights bf16,nvfp4,vllm-bf16,vllm-nvfp4 \
+    qerl bench rollout --archs qwen2.5-7b --weights bf16,nvfp4,vllm-bf16,vllm-nvfp4 \\
         --ranks 32 --batches 1,32,128     # vLLM beside the engine (and without LoRA)
-    qerl bench rollout --archs qwen2.5-7b --weights bf16,nvfp4 --ranks 32 \
+    qerl bench rollout --archs qwen2.5-7b --weights bf16,nvfp4 --ranks 32 \\
         --batches 64,128,256 --group 8    # as GRPO samples: 8 completions of each prompt
     qerl report                           # its tables and figures, with the paper's numbers
 

@@ -10,14 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from qerl.bench.kernels import (
-    model_layers,
-    record_sweep,
-    rotating,
-    say_times,
-    sweep_arguments,
-    time_us,
-)
+from qerl.bench.gpu_timing import rotating, time_us
+from qerl.bench.layer_sweep import model_layers, record_sweep, say_times, sweep_arguments
 from qerl.formats import nvfp4
 from qerl.kernels import nvfp4_gemm as gemm
 from qerl.kernels import nvfp4_layout as layout

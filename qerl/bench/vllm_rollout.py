@@ -112,7 +112,8 @@ def bench_vllm(arch: str, kind: str, ranks: list[int], batches: list[int],
         import vllm  # noqa: F401
     except ImportError as e:
         raise VLLMBenchError("--weights vllm-*: needs vllm (pip install 'qerl[vllm]'; "
-                             "requirements/vllm.txt names the version for this torch)") from e
+                             "requirements/vllm-cu12.txt and -cu13.txt name the vLLM of "
+                             "each torch)") from e
     from qerl.archs import config_for
 
     vocab = config_for(arch).vocab_size

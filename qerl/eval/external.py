@@ -14,6 +14,7 @@ import json
 import re
 from pathlib import Path
 
+from qerl.atomic import make_directory
 from qerl.eval.run import EvalError, write_summary
 
 # The tools' task names -> ours. Copies of their tasks carry a suffix: "_local" (lm-eval,
@@ -115,6 +116,6 @@ def read_results(path: Path) -> list[dict]:
 def import_results(paths: list[Path], out_dir: Path) -> list[dict]:
     """Read every results file in ``paths`` and write ``out_dir/summary.{json,csv}``."""
     rows = [row for path in paths for row in read_results(Path(path))]
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_directory(out_dir)
     write_summary(out_dir, rows)
     return rows

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from qerl.atomic import claim
+from qerl.atomic import claim, make_directory
+from qerl.cpu_threads import CPUThreads
 from qerl.errors import QerlError
 from qerl.eval.metrics import summarize
 from qerl.eval.settings import EvalSettings
@@ -72,21 +73,24 @@ def _append(path: Path, records: list[dict]) -> None:
 
 
 def _check_settings(out_dir: Path, settings: EvalSettings, what: dict) -> None:
+    """A resumed evaluation must sample as its samples were; an output that holds no sample
+    yet (a run that failed before its first batch) takes the new settings."""
     path = out_dir / "settings.json"
     current = {**settings.model_dump(), **what}
-    if path.is_file():
+    if path.is_file() and any(p.stat().st_size for p in out_dir.glob("*.jsonl")):
         before = json.loads(path.read_text())
         changed = sorted(k for k in current if before.get(k) != current[k])
         if changed:
             raise EvalError(f"{out_dir} holds an evaluation with other settings ({changed}); "
                             "use another output directory")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_directory(out_dir)
     path.write_text(json.dumps(current, indent=2))
 
 
 def evaluate_bench(name: str, task, policy, tokenizer, out_dir: Path,
-                   settings: EvalSettings) -> dict:
-    """Sample what ``out_dir/<name>.jsonl`` lacks, then summarize the file."""
+                   settings: EvalSettings, threads: CPUThreads | None = None) -> dict:
+    """Sample what ``out_dir/<name>.jsonl`` lacks, then summarize the file; on a CPU,
+    ``threads`` sets torch's thread count before each batch."""
     path = out_dir / f"{name}.jsonl"
     records = _done(path)
     texts = tokenizer.apply_chat_template(list(task["prompt"]), tokenize=False,
@@ -102,6 +106,8 @@ def evaluate_bench(name: str, task, policy, tokenizer, out_dir: Path,
         bar = tqdm(total=len(pending), desc=name, unit="sample")
         for first in range(0, len(pending), engine.max_batch):
             chunk = pending[first:first + engine.max_batch]
+            if threads is not None:
+                threads.adjust()
             params = SamplingParams(max_new_tokens=settings.max_tokens,
                                     temperature=settings.temperature, top_p=settings.top_p,
                                     stop_token_ids=stops,
@@ -189,11 +195,16 @@ def evaluate(model: str, benches: list[str], out_dir: Path, settings: EvalSettin
         context = {**provenance(device), "model": str(model), "adapter": adapter,
                    "method": method, "temperature": settings.temperature,
                    "top_p": settings.top_p, "max_tokens": settings.max_tokens}
+        threads = CPUThreads() if torch.device(device).type == "cpu" else None
         rows = []
-        for bench in benches:
-            rows.append({**context, **evaluate_bench(bench, tasks[bench], policy, tok, out_dir,
-                                                     settings)})
-            write_summary(out_dir, rows)  # a run cut short keeps its finished benchmarks'
+        try:
+            for bench in benches:
+                rows.append({**context, **evaluate_bench(bench, tasks[bench], policy, tok,
+                                                         out_dir, settings, threads)})
+                write_summary(out_dir, rows)  # a run cut short keeps its finished benchmarks'
+        finally:
+            if threads is not None:
+                threads.restore()
     return rows
 
 

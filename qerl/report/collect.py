@@ -12,9 +12,8 @@ committed files and the workflow's ``bench/NAME/`` folders are read):
     train         train/MODEL/RECIPE/METHOD/metrics.csv       + provenance.json, config.yaml
     science       science/MODEL/VARIANT/seedN/metrics.csv     + provenance.json, config.yaml
     held-out      science/MODEL/VARIANT/seedN/eval/summary.csv
-    entropy       science/MODEL/entropy/entropy_CARD.csv
-    rollout, kernels, kernel_paths, token_tiles, decode_step, step (efficiency_CARD.csv), memory,
-    quantize, fidelity, footprint: bench/**/NAME_*.csv (or NAME.csv)
+    the benchmarks' kinds (entropy, rollout, kernels, ..., as qerl.bench.registry lists them):
+                  its patterns there, e.g. bench/**/rollout_*.csv
 
 A number's ``key()`` (kind/model/recipe/method/bench/metric) names it uniquely and stably,
 so expected values can refer to it; ``bench`` joins the columns that set the measurement
@@ -28,11 +27,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import pandas as pd
 import yaml
 
+from qerl.bench.registry import BENCHMARKS, Benchmark
 from qerl.errors import QerlError
 
 COLUMNS = ["kind", "card", "model", "recipe", "method", "bench", "metric", "value", "source"]
@@ -43,11 +44,17 @@ EVAL_METRICS = ("avg@", "pass@")
 MISMATCH = "mismatch/logp_diff_mean"
 TRAIN_METRICS = ("reward", "entropy", "loss", "step_time", "rollout/tokens_per_s",
                  "memory/peak_gb", "aqn/sigma", MISMATCH)
-# A ratio pairs measurements taken within this time of each other by one qerl version: one
-# run, or runs back to back on one machine, so that no ratio mixes code versions or machines.
+# A ratio pairs measurements of one run: rows that name their run (every benchmark row since
+# run ids were written) by it; older rows if taken within this time of each other by one qerl
+# version (one run, or runs back to back on one machine), so that no ratio mixes code
+# versions or machines.
 PAIR_WINDOW_HOURS = 1.0
-STEP_SETTINGS = ("lora_rank", "prompts", "generations", "completion", "micro_batch",
-                 "grad_ckpt")
+STEP_SETTINGS = next(b.setting for b in BENCHMARKS if b.name == "step")
+
+
+def step_settings(frame: pd.DataFrame) -> list[str]:
+    """The STEP_SETTINGS columns ``frame`` has (a file older than a setting lacks it)."""
+    return [column for column in STEP_SETTINGS if column in frame]
 
 
 def every(kind: str) -> str:
@@ -119,51 +126,51 @@ def _held_out(path: Path):
     return frame.assign(**names), [path]
 
 
-def _entropy(path: Path):
-    frame = pd.read_csv(path).drop(columns="model", errors="ignore")
-    return frame.assign(model=path.parts[-3]), [path]
-
-
-def _model_layer(path: Path):
+def _measurements(benchmark: Benchmark, path: Path):
+    """A benchmark's rows, named as its registration says (qerl.bench.registry)."""
     frame = pd.read_csv(path)
-    model_layer = frame.layer.str.rsplit(".", n=1, expand=True)
-    return frame.assign(model=model_layer[0], layer=model_layer[1]), [path]
-
-
-def _csv(path: Path):
-    return pd.read_csv(path), [path]
-
-
-def _footprint(path: Path):
-    return pd.read_csv(path).assign(card="estimate"), [path]
+    if benchmark.model_in_layer:
+        model_layer = frame.layer.str.rsplit(".", n=1, expand=True)
+        frame = frame.assign(model=model_layer[0], layer=model_layer[1])
+    if benchmark.card is not None:
+        frame = frame.assign(card=benchmark.card)
+    if benchmark.model_from_path:
+        frame = frame.drop(columns="model", errors="ignore").assign(model=path.parts[-3])
+    return frame, [path]
 
 
 # ---- derived columns ----------------------------------------------------------------------
 
-def different_runs(date_a, date_b, version_a=None, version_b=None):
-    """Whether two measurements (scalars, or aligned Series) cannot come from one run:
-    dated more than PAIR_WINDOW_HOURS apart, or made by two qerl versions (commits) where
-    both record theirs. Undated rows are not told apart."""
+def different_runs(date_a, date_b, version_a=None, version_b=None, run_a=None, run_b=None):
+    """Whether two measurements (aligned Series, or a Series and a scalar) cannot come from
+    one run: where both name their run (``run_a``, ``run_b``), whether the names differ;
+    else, dated more than PAIR_WINDOW_HOURS apart, or made by two qerl versions (commits)
+    where both record theirs. Undated rows without a run are not told apart."""
     apart = abs(pd.to_datetime(date_a) - pd.to_datetime(date_b)) > pd.Timedelta(
         hours=PAIR_WINDOW_HOURS)
-    if version_a is None or version_b is None:
+    if version_a is not None and version_b is not None:
+        apart = apart | (pd.notna(version_a) & pd.notna(version_b) & (version_a != version_b))
+    if run_a is None or run_b is None:
         return apart
-    return apart | (pd.notna(version_a) & pd.notna(version_b) & (version_a != version_b))
+    named = pd.notna(run_a) & pd.notna(run_b)
+    return (named & (run_a != run_b)) | (~named & apart)
 
 
 def run_ratio(over: pd.DataFrame, under: pd.DataFrame, on: list[str], value: str,
               keep: list[str] | None = None) -> pd.DataFrame:
     """over[value] / under[value] for the rows alike in ``on``, where both come from one run
-    (dated within PAIR_WINDOW_HOURS, by one qerl version: ``different_runs``; a ratio across
-    runs is no ratio), and where several runs measured both, from the latest of them: a
-    column "ratio" beside ``keep`` (default ``on``; columns of ``over``)."""
+    (``different_runs``: one run id, or for older rows dated within PAIR_WINDOW_HOURS by one
+    qerl version; a ratio across runs is no ratio), and where several runs measured both,
+    from the latest of them: a column "ratio" beside ``keep`` (default ``on``; columns of
+    ``over``)."""
     keep = keep or on
-    stamps = [c for c in ("date", "qerl") if c in over and c in under]
+    stamps = [c for c in ("date", "qerl", "run") if c in over and c in under]
     both = over[[*keep, value, *stamps]].merge(under[[*on, value, *stamps]], on=on,
                                                suffixes=("", " under"))
     if "date" in stamps:
-        versions = (both.qerl, both["qerl under"]) if "qerl" in stamps else ()
-        both = both[~different_runs(both.date, both["date under"], *versions).to_numpy()]
+        both = both[~different_runs(both.date, both["date under"],
+                                    *_stamp(both, "qerl", stamps),
+                                    *_stamp(both, "run", stamps)).to_numpy()]
         latest = pd.concat([pd.to_datetime(both.date), pd.to_datetime(both["date under"])],
                            axis=1).max(axis=1)
         both = both.assign(latest=latest).sort_values("latest", kind="stable",
@@ -172,13 +179,18 @@ def run_ratio(over: pd.DataFrame, under: pd.DataFrame, on: list[str], value: str
     return both.drop_duplicates(keep, keep="last")[[*keep, "ratio"]]
 
 
+def _stamp(both: pd.DataFrame, column: str, stamps: list[str]) -> tuple:
+    """A merged pair's two values of ``column`` (None, None where the rows lack it)."""
+    return (both[column], both[f"{column} under"]) if column in stamps else (None, None)
+
+
 def speed_vs_lora(frame: pd.DataFrame, every: pd.DataFrame | None = None) -> pd.Series:
     """Each step's speed against LoRA's at the same card, model and settings (LoRA's time
     over its own), from one run (``run_ratio``: the latest run that measured both, among
     ``every`` row read; default ``frame``), where both times were measured; NaN for a row
     that ran out of memory, and where no run measured both."""
     every = frame if every is None else every
-    group = ["card", "model", *STEP_SETTINGS]
+    group = ["card", "model", *step_settings(every)]
     timed = every[every.step_s > 0]
     lora = timed[timed.method == "lora"]
     speed = pd.Series(float("nan"), index=frame.index)
@@ -227,7 +239,7 @@ class Kind:
     (``defaults``)."""
 
     patterns: tuple[str, ...]
-    reader: Callable = _csv
+    reader: Callable
     method: str = "method"
     model: str = "model"
     measured: bool = True  # a measurement: its recipe is the card (else read from the path)
@@ -265,6 +277,17 @@ def _bench_label(row) -> str:
     return row["bench"]
 
 
+# Columns the report computes over a benchmark's rows, by its name.
+DERIVED = {"kernels": _with_ceiling, "step": _with_speed}
+
+
+def _measured(benchmark: Benchmark) -> Kind:
+    """The kind of a registered benchmark's rows."""
+    return Kind(benchmark.patterns, partial(_measurements, benchmark), method=benchmark.method,
+                model=benchmark.model, setting=benchmark.setting, metrics=benchmark.metrics,
+                derive=DERIVED.get(benchmark.name), defaults=benchmark.defaults)
+
+
 KINDS = {
     "eval": Kind(("eval/*/*/*/summary.csv",), _eval, measured=False, label=_bench_label,
                  metrics=EVAL_METRICS, prefixed=True),
@@ -276,47 +299,7 @@ KINDS = {
                     measured=False, label=_step_label, metrics=("reward", "entropy")),
     "held-out": Kind(("science/*/*/seed*/eval/summary.csv",), _held_out, measured=False,
                      label=_bench_label, metrics=EVAL_METRICS, prefixed=True),
-    "entropy": Kind(("science/*/entropy/entropy_*.csv",), _entropy, method="weights",
-                    setting=("prompts", "tokens", "sigma"),
-                    metrics=("own_entropy", "shared_entropy", "shared_minus_bf16")),
-    "rollout": Kind(("bench/**/rollout_*.csv",), method="weights",
-                    setting=("lora_rank", "batch", "group", "prompt_len", "gen_len",
-                             "fused"),
-                    metrics=("tok_per_s", "first_token_s", "step_ms", "peak_gb"),
-                    defaults={"group": 1}),  # every prompt distinct before --group
-    "kernels": Kind(("bench/**/kernels_*.csv",), method="op", setting=("layer", "M"),
-                    metrics=("speedup_vs_bf16", "ceiling_vs_bf16", "ours_us", "bf16_us",
-                             "triton_fused_us"),
-                    derive=_with_ceiling),
-    "kernel_paths": Kind(("bench/**/kernel_paths_*.csv",), _model_layer, method="path",
-                         setting=("layer", "op", "M"),
-                         metrics=("speedup_vs_bf16", "us", "bf16_us")),
-    "token_tiles": Kind(("bench/**/token_tiles_*.csv",), _model_layer, method="token_tile",
-                        setting=("layer", "M"), metrics=("speedup_vs_bf16", "us", "bf16_us")),
-    "decode_step": Kind(("bench/**/decode_step_*.csv",), method="weights",
-                        setting=("lora_rank", "fused", "batch", "context"),
-                        metrics=("step_ms", "kernels", "kernel_ms", "busy_ms", "matmul_ms",
-                                 "lora_ms", "attention_ms", "norm_ms", "other_ms",
-                                 "sampling_ms", "prefill_ms", "prefill_busy_ms")),
-    "step": Kind(("bench/**/efficiency_*.csv",), setting=STEP_SETTINGS,
-                 metrics=("step_s", "rollout_s", "score_s", "train_s", "optimizer_s",
-                          "rollout_tok_per_s", "peak_gb", "speed_vs_lora"),
-                 derive=_with_speed),
-    "memory": Kind(("bench/**/memory_*.csv",), model="arch", setting=("lora_rank",),
-                   metrics=("weights_gb", "projections_gb", "dense_gb", "lora_gb",
-                            "build_peak_gb")),
-    "quantize": Kind(("bench/**/quantize*.csv",), method="source", model="arch",
-                     metrics=("seconds", "load_only_s", "peak_rss_gb", "peak_rss_over_bf16",
-                              "checkpoint_gb", "mean_rel_error")),
-    "fidelity": Kind(("bench/**/fidelity*.csv",), method="compared",
-                     setting=("reference", "questions", "greedy_tokens"),
-                     metrics=("top1_agreement", "mean_kl_nats", "greedy_equal",
-                              "greedy_common_prefix")),
-    "footprint": Kind(("bench/**/footprint_*.csv",), _footprint,
-                      setting=("prompts", "generations", "completion", "micro_batch",
-                               "lora_rank"),
-                      metrics=("weights", "lora", "kv_cache", "checkpointed", "layer",
-                               "total", "measured_peak_gb")),
+    **{b.name: _measured(b) for b in BENCHMARKS},
 }
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from qerl.record import per_card
-from qerl.report.collect import MISMATCH, STEP_SETTINGS, different_runs
+from qerl.report.collect import MISMATCH, different_runs, step_settings
 from qerl.report.tables import ROLLOUT_METHOD, efficiency, paper_model, rollout
 from qerl.rl.phases import PHASES
 
@@ -37,15 +37,31 @@ def _save(plt, fig, path: Path) -> Path:
 
 def _by_step(frame: pd.DataFrame, draw, title: str, path: Path,
              metrics: tuple[str, ...] = ("reward", "entropy")) -> Path:
-    """``metrics`` side by side against the step; ``draw(ax, frame, metric)`` plots one."""
+    """``metrics`` side by side against the step (whole steps on the axis);
+    ``draw(ax, frame, metric)`` plots one."""
+    from matplotlib.ticker import MaxNLocator
+
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.8))
     for ax, metric in zip(axes, metrics, strict=True):
         draw(ax, frame, metric)
         ax.set(xlabel="step", ylabel=metric, title=metric)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     return _save(plt, fig, path)
+
+
+MARKERS, DASHES = "osD^v", ("-", "--", ":", "-.")
+
+
+def _overlaid(i: int) -> dict:
+    """The style of the i-th line of a plot whose lines may coincide (methods that learned
+    nothing in a short run log the same values): each its own marker and dash, and each
+    drawn smaller than the one before, so that one on top of another leaves it visible."""
+    return {"marker": MARKERS[i % len(MARKERS)], "linestyle": DASHES[i % len(DASHES)],
+            "markersize": max(3.0, 9.0 - 1.5 * i), "markerfacecolor": "none",
+            "linewidth": max(1.0, 2.5 - 0.4 * i)}
 
 
 def curves(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
@@ -57,10 +73,10 @@ def curves(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
         return []
 
     def draw(ax, frame, metric):
-        for method, run in frame.groupby("method"):
+        for i, (method, run) in enumerate(frame.groupby("method")):
             if metric in run:
                 run = run.sort_values("step")
-                ax.plot(run.step, run[metric], marker="o", label=method)
+                ax.plot(run.step, run[metric], label=method, **_overlaid(i))
 
     def metrics(group):
         logged = MISMATCH in group and group[MISMATCH].notna().any()
@@ -143,8 +159,9 @@ def _one_run(rows: pd.DataFrame) -> pd.DataFrame:
     if "date" not in rows or rows.date.isna().all():
         return rows
     newest = rows.loc[pd.to_datetime(rows.date).idxmax()]
-    versions = (rows.qerl, newest.qerl) if "qerl" in rows else ()
-    return rows[~different_runs(rows.date, newest.date, *versions).to_numpy()]
+    versions = (rows.qerl, newest.qerl) if "qerl" in rows else (None, None)
+    runs = (rows.run, newest.run) if "run" in rows else (None, None)
+    return rows[~different_runs(rows.date, newest.date, *versions, *runs).to_numpy()]
 
 
 def rollout_by_rank(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
@@ -262,7 +279,7 @@ def step(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
     if table.empty:
         return []
     plt = _pyplot()
-    settings = list(STEP_SETTINGS)
+    settings = step_settings(table)
     written = []
     for card, rows in table.groupby("card"):
         groups = list(rows.groupby(settings, sort=False))
@@ -286,7 +303,9 @@ def step(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
             s = dict(zip(settings, values, strict=True))
             axes[0][col].set_title(f"P={s['prompts']} G={s['generations']} "
                                    f"L={s['completion']} mb={s['micro_batch']}"
-                                   + (" ckpt" if s["grad_ckpt"] else ""), fontsize=8)
+                                   + (" ckpt" if s["grad_ckpt"] else "")
+                                   + (f" beside {s['busy']:g} busy" if s.get("busy") else ""),
+                                   fontsize=8)
             colours = ["C3" if status == "oom" else "C7"
                        for status in group.get("status", [None] * len(group))]
             axes[1][col].bar(labels, group.peak_gb.fillna(0), color=colours)

@@ -8,31 +8,60 @@ from pathlib import Path
 
 import pandas as pd
 
+from qerl.bench.registry import BENCHMARKS
 from qerl.errors import QerlError
-from qerl.report.check import DriftError, check
-from qerl.report.collect import collect, every, read
+from qerl.report.check import DriftError, JobTimes, check, paper_verdict
+from qerl.report.collect import Results, collect, every, read
+from qerl.report.expected import read_expected
 from qerl.report.figures import FIGURES
-from qerl.report.tables import TABLES
+from qerl.report.tables import PAPER_COMPARED, TABLES, paper_comparisons
 
 PAPER = files("qerl.report") / "paper.csv"
 OUTPUTS = ("tables", "figures")  # what the report writes under the results folder
+PAPER_COLUMNS = ("model", "metric", "method", "lora_rank", "value", "band", "trained_on")
 
 
 def read_paper(path=PAPER) -> pd.DataFrame:
+    """The paper's numbers (``PAPER_COLUMNS``; lines starting with # are comments)."""
     with path.open() as f:
-        return pd.read_csv(f)
+        paper = pd.read_csv(f, comment="#")
+    missing = sorted(set(PAPER_COLUMNS) - set(paper.columns))
+    unknown = sorted(set(paper.metric) - set(PAPER_COMPARED)) if "metric" in paper else []
+    if missing or unknown:
+        raise QerlError(f"{path}: the paper's numbers need the columns {PAPER_COLUMNS} "
+                        f"(missing {missing}) and metrics among {sorted(PAPER_COMPARED)} "
+                        f"(unknown {unknown})")
+    return paper
+
+
+def verdicts(found: Results, results: Path, expected: Path | None = None,
+             against_paper: bool = False, paper: pd.DataFrame | None = None,
+             jobs: JobTimes | None = None) -> dict:
+    """The checks' verdicts on the values ``found`` under ``results``: "check" against the
+    values ``expected`` (with the job times of the run's record, or ``jobs``), "paper"
+    against the paper's numbers (``against_paper``). What `qerl report` says, and what the
+    workflow says at the end of a run once it has recorded its job times."""
+    said = {}
+    if expected is not None:
+        said["check"] = check(found.values, expected, jobs or JobTimes.read(results)).record()
+    if against_paper:
+        paper = read_paper() if paper is None else paper
+        said["paper"] = paper_verdict(paper_comparisons(found.frames, paper)).record()
+    return said
 
 
 def report(results: Path, paper: Path | None = None, expected: Path | None = None,
-           note: str | None = None) -> dict:
+           against_paper: bool = False) -> dict:
     """Tables and figures of everything under ``results``; with ``expected``, raise
     DriftError if a value drifted past its tolerance or a file under ``results`` is read by
-    no table; ``note`` goes above every markdown table (what its values mean). Returns
-    what was written, and those unread files."""
+    no table, and put the expected file's note above every markdown table (what its values
+    mean); with ``against_paper``, say how many of the paper's numbers were reproduced.
+    Returns what was written, those unread files and the verdicts."""
     if not results.is_dir():
         raise QerlError(f"no results folder at {results}")
     if paper is not None and not paper.is_file():
         raise QerlError(f"no paper numbers at {paper}")
+    note = read_expected(expected).note if expected is not None else None
     found = collect(results)
     reference = read_paper(paper or PAPER)
     tables_dir, figures_dir = results / "tables", results / "figures"
@@ -47,14 +76,16 @@ def report(results: Path, paper: Path | None = None, expected: Path | None = Non
         table.to_csv(tables_dir / f"{name}.csv", index=False)
         heading = f"> {note}\n\n" if note else ""
         (tables_dir / f"{name}.md").write_text(
-            heading + table.to_markdown(index=False, floatfmt=".4g") + "\n")
+            heading + markdown(table) + "\n")
         written["tables"].append(name)
     for draw in FIGURES:
         written["figures"] += [p.name for p in draw(found.frames, reference, figures_dir)]
     written["removed"] = _remove_stale(tables_dir, figures_dir, written)
     written["unread"] = [str(path) for path in unread(results, found.files)]
+    written.update(verdicts(found, results, expected, against_paper, reference))
     if expected is not None:
-        check(found.values, expected)
+        if not written["check"]["passed"]:
+            raise DriftError(written["check"]["message"])
         if written["unread"]:  # a result that no table shows is a result lost
             raise DriftError(f"files under {results} that no table reads: {written['unread']}")
     return written
@@ -97,8 +128,8 @@ def unread(results: Path, read: set[Path]) -> list[Path]:
 
 
 # The table that shows each kind of result, where it is not named after the kind.
-TABLE_OF = {"step": "efficiency", "eval": "accuracy", "train": "training",
-            "held-out": "science"}
+TABLE_OF = {"eval": "accuracy", "train": "training", "held-out": "science",
+            **{b.name: b.table for b in BENCHMARKS if b.table != b.name}}
 
 
 def summary(kind: str, path: Path) -> str:
@@ -109,4 +140,13 @@ def summary(kind: str, path: Path) -> str:
         return ""
     table = TABLES[TABLE_OF.get(kind, kind)]({kind: frame, every(kind): rows_read},
                                              read_paper())
-    return table.to_markdown(index=False, floatfmt=".4g")
+    return markdown(table)
+
+
+def markdown(table: pd.DataFrame) -> str:
+    """``table`` as a Markdown table, a | in a header or cell escaped (\\|): unescaped, it
+    would end the cell, and the row would no longer match its header."""
+    def escape(value):
+        return value.replace("|", r"\|") if isinstance(value, str) else value
+
+    return table.rename(columns=escape).map(escape).to_markdown(index=False, floatfmt=".4g")

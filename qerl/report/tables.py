@@ -7,6 +7,7 @@ from __future__ import annotations
 import pandas as pd
 
 from qerl import archs
+from qerl.bench.registry import BENCHMARKS
 from qerl.methods import METHODS
 from qerl.report.collect import KINDS, MISMATCH, every, run_ratio
 from qerl.rl.phases import PHASES
@@ -84,23 +85,44 @@ def listing(kind: str):
     return table
 
 
+def reproduced(ours: pd.Series, theirs: pd.Series, band: pd.Series) -> pd.Series:
+    """"yes" where ours is within ``band`` of the paper's number, "no" where it is not, None
+    where either is missing or the paper's number has no band (qerl/report/paper.csv)."""
+    compared = ours.notna() & theirs.notna() & band.notna()
+    verdict = ((ours - theirs).abs() <= band).map({True: "yes", False: "no"})
+    return verdict.where(compared, None)
+
+
+def _beside_paper(table: pd.DataFrame, paper: pd.DataFrame, metric: pd.Series,
+                  ours: str, on: tuple = ()) -> pd.DataFrame:
+    """``table`` with the paper's number of ``metric`` (a value per row) for the row's model
+    and method (and columns ``on``, matched to the paper's of the same name), its band, and
+    whether ``ours`` is within it ("reproduced")."""
+    theirs = paper.assign(model=paper.model.map(paper_model))[
+        ["model", "method", "metric", *on, "value", "band"]]
+    keys = table.assign(model=table.model.map(paper_model), metric=metric.to_numpy())[
+        ["model", "method", "metric", *on]]
+    found = keys.merge(theirs, how="left", on=["model", "method", "metric", *on])
+    table = table.assign(paper=found.value.to_numpy(), band=found.band.to_numpy())
+    return table.assign(reproduced=reproduced(table[ours], table.paper, table.band))
+
+
 def accuracy(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
     """pass@1 (%) of every trained policy and base model (and pass@k where k samples were
-    drawn), the paper's accuracy beside it."""
+    drawn), beside it the paper's accuracy for the same model and method trained as the paper
+    trained it (paper.csv's trained_on), its band and whether ours is within it."""
     ours = frames.get("eval")
     if ours is None:
         return pd.DataFrame()
     table = ours[_present(ours, ["model", "recipe", "method", "card", "bench", "problems",
                                  "samples"])].copy()
-    table["reproduced"] = ours["pass@1"] * 100
+    table["ours"] = ours["pass@1"] * 100
     k = ours.samples.astype(int)
     table["pass@k"] = [row.get(f"pass@{n}") * 100 if n > 1 else None
                        for row, n in zip(ours.to_dict("records"), k, strict=True)]
-    ref = paper[paper.metric.isin(PAPER_METRIC.values())]
-    lookup = {(paper_model(r.model), r.method, r.metric): r.value for r in ref.itertuples()}
-    table["paper"] = [lookup.get((paper_model(r.model), r.method, PAPER_METRIC.get(r.bench)))
-                      for r in table.itertuples()]
-    table["delta"] = table.reproduced - table.paper
+    table = _beside_paper(table, paper.rename(columns={"trained_on": "recipe"}),
+                          table.bench.map(PAPER_METRIC), "ours", on=("recipe",))
+    table.insert(table.columns.get_loc("band") + 1, "delta", table.ours - table.paper)
     return _sorted(table, ["model", "recipe", "method", "bench"])
 
 
@@ -244,12 +266,13 @@ def _beside_engine(rows: pd.DataFrame) -> pd.DataFrame:
 
 def rollout(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
     """Rollout tokens/s by weights (engine; hf-bf16 is Hugging Face generate, vllm-* vLLM),
-    NVFP4 over BF16 and the engine over vLLM on the same weights, each from one run, and the
-    paper's qerl over LoRA at the same LoRA rank (its 7B number names none)."""
+    NVFP4 and NF4 over BF16 and the engine over vLLM on the same weights, each from one run,
+    and the paper's qerl over LoRA at the same LoRA rank (its 7B number names none)."""
     if "rollout" not in frames:
         return pd.DataFrame()
     wide = _by_weights(frames, "rollout", "tok_per_s", "nvfp4/bf16",
-                       more=[(f"{w}/vllm", w, f"vllm-{w}") for w in ("bf16", "nvfp4")],
+                       more=[("nf4/bf16", "nf4", "bf16"),
+                             *[(f"{w}/vllm", w, f"vllm-{w}") for w in ("bf16", "nvfp4")]],
                        rows=_beside_engine)
     ref = paper[paper.metric == "rollout_throughput"]
     by_rank = {(paper_model(r.model), r.method, r.lora_rank): r.value for r in ref.itertuples()}
@@ -418,22 +441,50 @@ def decode_step_parts(frames: dict, paper: pd.DataFrame | None = None) -> pd.Dat
 def efficiency(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
     """One RL step per model, method and settings: each phase's time, the step's time
     against LoRA's from the same run (``collect.speed_vs_lora``), the paper's end-to-end
-    speed against LoRA, rollout tokens/s and peak memory (runs out of memory: the peak they
-    reached)."""
+    speed against LoRA with its band and whether ours is within it, rollout tokens/s and peak
+    memory (runs out of memory: the peak they reached)."""
     ours = frames.get("step")
     if ours is None:
         return pd.DataFrame()
-    ref = paper[paper.metric == "end_to_end_speed"]
-    speed = {(paper_model(r.model), r.method): r.value for r in ref.itertuples()}
-    table = ours.assign(**{"paper speed vs lora": [speed.get((paper_model(m), method))
-                                                   for m, method in zip(ours.model, ours.method,
-                                                                        strict=True)]})
+    table = _beside_paper(ours, paper, pd.Series("end_to_end_speed", index=ours.index),
+                          "speed_vs_lora").rename(columns={"paper": "paper speed vs lora"})
     columns = ["card", "date", "model", "method", *KINDS["step"].setting, "status",
                *[f"{p}_s" for p in PHASES], "step_s", "speed_vs_lora", "paper speed vs lora",
-               "rollout_tok_per_s", "peak_gb"]
+               "band", "reproduced", "rollout_tok_per_s", "peak_gb", "cores", "threads"]
     return _sorted(table[_present(table, columns)],
                    ["card", "completion", "prompts", "grad_ckpt", "micro_batch", "model",
                     "method"])
+
+
+def fits(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Which model fits which budget (`qerl bench budget`): a row per card, kernel
+    architecture, step (prompts x completions x tokens, LoRA rank), model and method, a
+    column per budget. A cell is the step's time against the same model and method's on the
+    whole card, where it ran within the budget as the driver counts it ("1.21x"); else why
+    not: the smallest budget its plan needs ("needs 9.13 GB"), torch's cap reached ("oom"),
+    the driver's peak past the budget ("over: 8.42 GB"), or "failed"."""
+    rows = frames.get("budget")
+    if rows is None or "status" not in rows:
+        return pd.DataFrame()
+    rows = rows[rows.whole_card != 1]
+
+    def cell(r) -> str:
+        if r.status == "ok":
+            return f"{r.time_vs_uncapped:.2f}x" if pd.notna(r.time_vs_uncapped) else "ok"
+        if r.status == "refused":
+            return f"needs {r.needs_gb:.2f} GB"
+        if r.status == "over":
+            return f"over: {r.nvml_peak_gb:.2f} GB"
+        return r.status
+
+    step = (rows.prompts.map("{:g}".format) + "x" + rows.generations.map("{:g}".format)
+            + "x" + rows.completion.map("{:g}".format) + " r" + rows.lora_rank.map("{:g}".format))
+    rows = rows.assign(step=step, budget=rows.memory_gb.map("{:g} GB".format),
+                       cell=[cell(r) for r in rows.itertuples()])
+    index = ["card", "kernel_arch", "step", "model", "method"]
+    budgets = sorted(set(rows.budget), key=lambda b: float(b.split()[0]))
+    wide = _wide(rows, index, "budget", "cell").fillna({b: "" for b in budgets})  # not run
+    return _sorted(wide[[*index, *budgets]], index)
 
 
 # The settings the headline quotes: the rollout of the paper's 7B figure at the batch
@@ -451,13 +502,49 @@ def headline(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
     RL step of qerl over LoRA, the NVFP4 matmul over cuBLAS BF16 (7B and 32B gate_up and
     down, forward, beside the most the card allows it: ``kernel_ceilings``), and the largest
     RL step that ran on one card."""
+    return _claims(frames, paper).drop(columns=["at"], errors="ignore")
+
+
+def status(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
+    """The headline's claims in a line per claim and card (the README's first table): the
+    settings where a speed-up holds (at least 1x) and those where it does not, in the order
+    measured, and its range; for the largest RL step, the step and its peak memory."""
+    claims = _claims(frames, paper)
+    if claims.empty:
+        return pd.DataFrame()
+    rows = []
+    for (claim, card), part in claims.groupby(["claim", "card"], sort=False):
+        low, high, unit = part.value.min(), part.value.max(), part.unit.iloc[0]
+        ratio = unit == "x"
+        holds = part.value >= 1 if ratio else pd.Series(True, index=part.index)
+        rows.append({"claim": claim, "card": card,
+                     "holds (>= 1x) at": _settings(part.loc[holds, "at"]),
+                     "does not (< 1x) at": _settings(part.loc[~holds, "at"]),
+                     "range": (f"{low:.2f}-{high:.2f}x" if low != high else f"{low:.2f}x")
+                     if ratio else f"{high:.1f} {unit}",
+                     "table": part.table.iloc[0]})
+    return pd.DataFrame(rows)
+
+
+def _settings(at: pd.Series) -> str:
+    """(label, value) pairs as 'label v1, v2; other w1', labels in the order first seen."""
+    values: dict[str, list[str]] = {}
+    for label, value in at:
+        values.setdefault(label, []).append(value)
+    return "; ".join(f"{label} {', '.join(v)}".strip() for label, v in values.items())
+
+
+def _claims(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
+    """The headline's rows, each with ``at``: the setting that varies along a claim, as a
+    (label, value) pair (e.g. ("batch", "16")), for ``status``."""
     rows = []
 
-    def add(claim, card, setting, value, unit, source, paper_value=None, ceiling=None):
+    def add(claim, card, setting, value, unit, source, paper_value=None, ceiling=None,
+            at=("", "")):
         if pd.notna(value):
             rows.append({"claim": claim, "card": card, "setting": setting,
                          "value": value, "unit": unit, "paper": paper_value,
-                         "ceiling": ceiling, "table": source})
+                         "ceiling": ceiling, "table": source, "at": at})
 
     roll = rollout(frames, paper)
     if not roll.empty:
@@ -466,21 +553,26 @@ def headline(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
             setting = (f"{r.model}, LoRA r{r.lora_rank:g}, batch {r.batch:g}"
                        + (f" ({r.group:g} samples a prompt)" if r.group != 1 else "")
                        + f", prompt {r.prompt_len:g} / {r.gen_len:g} generated")
+            at = ("batch", f"{r.batch:g}" + (f" (G={r.group:g})" if r.group != 1 else ""))
             add("rollout tokens/s, NVFP4 / BF16", r.card, setting, r.get("nvfp4/bf16"), "x",
-                "rollout.md", r.get("paper qerl/lora"))
+                "rollout.md", r.get("paper qerl/lora"), at=at)
             for weights, name in (("nvfp4", "NVFP4"), ("bf16", "BF16")):
                 add(f"rollout tokens/s, ours / vLLM ({name})", r.card, setting,
-                    r.get(f"{weights}/vllm"), "x", "rollout.md")
+                    r.get(f"{weights}/vllm"), "x", "rollout.md", at=at)
             add("rollout tokens/s, ours NVFP4 + LoRA / vLLM BF16 without", r.card, setting,
-                r.get(UNADAPTED), "x", "rollout.md")
+                r.get(UNADAPTED), "x", "rollout.md", at=at)
     step = efficiency(frames, paper)
+    ours = frames.get("step")
+    if ours is not None and "device" in ours:  # the paper's claims are a GPU's: a CPU's aside
+        step = step[~step.card.isin(ours.card[ours.device == "cpu"])]
     if not step.empty:
         for _, r in step[step.method == "qerl"].iterrows():
             setting = (f"{r.model}, {r.prompts:g} prompts x {r.generations:g} x "
                        f"{r.completion:g} tokens, LoRA r{r.lora_rank:g}"
                        + (", gradient checkpointing" if r.get("grad_ckpt") else ""))
             add("RL step, LoRA time / qerl time", r.card, setting, r.speed_vs_lora, "x",
-                "efficiency.md", r.get("paper speed vs lora"))
+                "efficiency.md", r.get("paper speed vs lora"),
+                at=(r.model, f"{r.prompts:g}x{r.generations:g}x{r.completion:g}"))
         ok = step.status == "ok" if "status" in step else True  # older rows: no status
         ran = step[(step.method == "qerl") & ok]
         for card, part in ran.groupby("card"):
@@ -488,7 +580,8 @@ def headline(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
             add("largest qerl RL step on one card", card,
                 f"{biggest.model}, {biggest.prompts:g} x {biggest.generations:g} x "
                 f"{biggest.completion:g} tokens", biggest.get("peak_gb"), "GB peak",
-                "efficiency.md")
+                "efficiency.md", at=(biggest.model, f"{biggest.prompts:g}x"
+                                     f"{biggest.generations:g}x{biggest.completion:g}"))
     matmul = kernels(frames, paper)
     if not matmul.empty:
         keys = ["card", "model", "layer", "op"]
@@ -501,17 +594,103 @@ def headline(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
             for m in HEADLINE_KERNELS["m"]:
                 add("NVFP4 matmul / cuBLAS BF16 (speed)", r.card,
                     f"{r.model} {r.layer}, forward, M = {m} rows", r.get(f"M={m}"), "x",
-                    "kernels.md", ceiling=bound.get(f"M={m}"))
+                    "kernels.md", ceiling=bound.get(f"M={m}"),
+                    at=(f"{r.model} {r.layer} M", f"{m}"))
     return pd.DataFrame(rows)
 
 
-TABLES = {
-    "headline": headline, "accuracy": accuracy, "external": external, "training": training,
+# Ours beside the paper's rollout speed-ups (paper.csv): its tokens/s by LoRA rank are tens
+# a second at 14B and 32B, one sequence decoding, so ours at batch 1 (the headline's prompt
+# length, every prompt its own, the engine as it runs).
+PAPER_ROLLOUT = {"batch": 1, "group": 1, "prompt_len": HEADLINE_ROLLOUT["prompt_len"],
+                 "fused": 1}
+# The paper's numbers and what of ours each is compared with: (our table, how the paper's
+# number is compared).
+PAPER_COMPARED = {"gsm8k_accuracy": (accuracy, "pass@1 %"),
+                  "math500_accuracy": (accuracy, "pass@1 %"),
+                  "rollout_throughput": (rollout, "tokens/s over LoRA's"),
+                  "end_to_end_speed": (efficiency, "RL step speed over LoRA's")}
+# Our rollout weights for each of the paper's methods.
+WEIGHTS_OF = {method: weights for weights, method in ROLLOUT_METHOD.items()}
+
+
+def _ours_for(theirs, tables: dict, paper: pd.DataFrame) -> tuple[float, pd.DataFrame]:
+    """The paper's number ``theirs`` (a row of paper.csv) as compared (rollout: over its
+    LoRA's at the same rank), and the rows of our tables compared with it: ours, card,
+    setting, reproduced."""
+    build, _ = PAPER_COMPARED[theirs.metric]
+    table = tables[build]
+    if table.empty:
+        return theirs.value, pd.DataFrame()
+    mine = table[table.model.map(paper_model) == paper_model(theirs.model)]
+    compared = theirs.value
+    if build is rollout:
+        lora = paper[(paper.metric == theirs.metric) & (paper.method == "lora")
+                     & (paper.model == theirs.model) & (paper.lora_rank == theirs.lora_rank)]
+        compared = theirs.value / lora.value.iloc[0] if len(lora) else float("nan")
+        mine = mine[(mine[list(PAPER_ROLLOUT)] == pd.Series(PAPER_ROLLOUT)).all(axis=1)
+                    & (mine.lora_rank == theirs.lora_rank)]
+        ours = mine.get(f"{WEIGHTS_OF[theirs.method]}/bf16",
+                        pd.Series(float("nan"), index=mine.index))
+        setting = [f"batch {r.batch:g}, prompt {r.prompt_len:g} / {r.gen_len:g} generated"
+                   for r in mine.itertuples()]
+        verdict = reproduced(ours, pd.Series(compared, index=mine.index),
+                             pd.Series(theirs.band, index=mine.index))
+    elif build is accuracy:
+        mine = mine[(mine.method == theirs.method) & mine.paper.notna()
+                    & (mine.bench.map(PAPER_METRIC) == theirs.metric)]
+        ours, verdict = mine.ours, mine.reproduced
+        setting = [f"trained on {r.recipe}, {r.bench}" for r in mine.itertuples()]
+    else:
+        mine = mine[(mine.method == theirs.method) & mine["paper speed vs lora"].notna()]
+        ours, verdict = mine.speed_vs_lora, mine.reproduced
+        setting = [f"{r.prompts:g} prompts x {r.generations:g} x {r.completion:g} tokens, "
+                   f"LoRA r{r.lora_rank:g}" for r in mine.itertuples()]
+    found = pd.DataFrame({"ours": ours.to_numpy(), "card": mine.card.to_numpy(),
+                          "setting": setting, "reproduced": verdict.to_numpy()})
+    return compared, found[found.ours.notna()]
+
+
+def paper_comparisons(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
+    """Every number of the paper (paper.csv), as compared (``PAPER_COMPARED``), beside ours:
+    a row for each of our measurements of it (one on each card, say), "reproduced" yes or no
+    (within its band); one row "not measured" where we have none, "not compared" where the
+    paper's number has no band."""
+    tables = {build: build(frames, paper) for build in {b for b, _ in PAPER_COMPARED.values()}}
+    rows = []
+    for r in paper.itertuples():
+        _, unit = PAPER_COMPARED[r.metric]
+        name = {"model": r.model, "metric": r.metric, "method": r.method,
+                "lora_rank": r.lora_rank, "compared": unit}
+        if pd.isna(r.band):
+            rows.append({**name, "paper": r.value, "reproduced": "not compared"})
+            continue
+        theirs, found = _ours_for(r, tables, paper)
+        if found.empty:
+            rows.append({**name, "paper": theirs, "band": r.band, "reproduced": "not measured"})
+        rows += [{**name, "paper": theirs, "band": r.band, **mine}
+                 for mine in found.to_dict("records")]
+    columns = ["model", "metric", "method", "lora_rank", "compared", "paper", "band", "ours",
+               "card", "setting", "reproduced"]
+    return pd.DataFrame(rows).reindex(columns=columns)
+
+
+def versus_paper(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
+    """``paper_comparisons``, where any of ours is compared with the paper's."""
+    table = paper_comparisons(frames, paper)
+    return table if table.ours.notna().any() else pd.DataFrame()
+
+
+BUILT = {
+    "status": status, "headline": headline, "accuracy": accuracy, "external": external,
+    "training": training,
     "science": science, "science_contrasts": science_contrasts,
     "entropy": entropy, "rollout": rollout, "rollout_phases": rollout_phases,
     "kernels": kernels, "kernel_ceilings": kernel_ceilings, "kernel_paths": kernel_paths,
     "token_tiles": token_tiles,
     "decode_step": decode_step, "decode_step_parts": decode_step_parts,
-    "efficiency": efficiency,
-    **{kind: listing(kind) for kind in ("memory", "quantize", "fidelity", "footprint")},
+    "efficiency": efficiency, "versus_paper": versus_paper, "fits": fits,
 }
+# Every table: those built above, and for each benchmark registered without one, the
+# listing of its rows (qerl.bench.registry).
+TABLES = {**BUILT, **{b.table: listing(b.name) for b in BENCHMARKS if b.table not in BUILT}}

@@ -9,6 +9,7 @@ there is one, train, and save the result.
                          match it is not resumed from)
       damaged/           checkpoints set aside because their files were damaged
       metrics.csv        one row per logged step: TRL's metrics and ours (the report reads it)
+      memory_plan.json   with memory_gb: how the step was fitted to it (qerl.rl.budget)
       tokenizer/         the tokenizer the run used
       final/             the trained adapter (LoRA methods) or model (full)
       config.yaml        the configuration as checked
@@ -26,16 +27,18 @@ import torch
 import yaml
 from transformers import TrainerCallback, set_seed
 
-from qerl.atomic import claim
+from qerl.atomic import claim, make_directory
 from qerl.config import ConfigError, TrainConfig
 from qerl.policy import build_policy
 from qerl.record import provenance, version
+from qerl.rl.budget import Plan, enforce, fit
 from qerl.rl.checkpoints import last_checkpoint
 from qerl.rl.data import load_task
 from qerl.rl.preemption import Preemption
 from qerl.tokenizer import policy_tokenizer
 
 METRICS = "metrics.csv"
+MEMORY_PLAN = "memory_plan.json"
 
 
 class MetricsCSV(TrainerCallback):
@@ -99,20 +102,40 @@ def fitting_prompts(task, tokenizer, max_tokens: int):
     return task.select(keep)
 
 
+def _within_budget(config: TrainConfig, device: str) -> tuple[TrainConfig, Plan]:
+    """``config`` planned into its memory_gb (qerl.rl.budget), the plan logged, and on a GPU
+    enforced."""
+    from qerl.policy import base_config
+
+    planned, plan = fit(config, base_config(config.model, arch=config.arch))
+    print(f"qerl train: {plan.describe()}")
+    if device == "cuda":
+        print(f"qerl train: {enforce(plan, torch.device(_process_device(device)))}")
+    else:
+        print("qerl train: the memory budget is planned, not enforced: a CPU run applies the "
+              "plan's settings, but nothing caps the host's memory")
+    return planned, plan
+
+
 def build_trainer(config: TrainConfig, callbacks: list | None = None):
     """The policy, tokenizer, task and trainer of ``config`` (nothing trained yet)."""
     from qerl.rl.trainer import QerlGRPOTrainer
 
     set_seed(config.seed)
     aqn_on = config.aqn.enabled if config.aqn.enabled is not None else config.method == "qerl"
+    device = _device(config)
+    plan = None
+    if config.memory_gb is not None:  # before the rest: a step that cannot fit builds nothing
+        config, plan = _within_budget(config, device)
     data = config.data
     task = load_task(data.task, path=data.path, split=data.split, limit=data.limit,
                      level=data.level, size=data.size, seed=config.seed)
-    device = _device(config)
     policy = build_policy(config.method, config.model, arch=config.arch, seed=config.seed,
                           lora=config.lora, aqn=config.aqn if aqn_on else None,
                           total_steps=config.train.max_steps, device=_process_device(device))
-    config.output_dir.mkdir(parents=True, exist_ok=True)
+    make_directory(config.output_dir)
+    if plan is not None and _main_rank():
+        (config.output_dir / MEMORY_PLAN).write_text(json.dumps(plan.as_dict(), indent=2))
     tokenizer = policy_tokenizer(policy, config.output_dir / "tokenizer", config.tokenizer,
                                  cpu=device == "cpu")
     task = fitting_prompts(task, tokenizer, config.rl.max_prompt_length)

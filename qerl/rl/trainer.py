@@ -13,7 +13,8 @@ the paper needs and TRL lacks:
   with ``aqn.rollout_only``);
 - DAPO's overlong reward shaping (a reward function) and dynamic sampling (groups whose
   rewards all agree carry no signal: they are replaced by fresh prompts' groups);
-- metrics TRL does not log: AQN sigma, rollout tokens/s, peak GPU memory, and the gap
+- metrics TRL does not log: AQN sigma, rollout tokens/s, peak GPU memory, the threads of a
+  CPU run (``qerl.cpu_threads``: each phase on the cores other processes leave idle), and the gap
   between the sampler's log-probs and the training forward's (``mismatch/*``), with TRL's
   truncated importance sampling of that gap switchable (``rl.tis``);
 - a faster training forward: causal attention over padded batches without a mask
@@ -35,6 +36,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from qerl.config import ConfigError, TrainConfig
+from qerl.cpu_threads import CPUThreads
 from qerl.nn.liger import require_liger, use_liger
 from qerl.nn.padded_attention import use_padded_attention
 from qerl.rl.checkpoints import save_staged
@@ -104,7 +106,8 @@ class _RestoreNoise(TrainerCallback):
 class _PhaseTimes(TrainerCallback):
     """Where an optimizer step's time goes, logged once per step: rollout (the engine),
     scoring (rewards and the log-probs TRL computes before the loss), train (forward and
-    backward of every micro-batch) and optimizer; and the step's peak GPU memory."""
+    backward of every micro-batch) and optimizer; and the step's peak GPU memory, allocated
+    and as torch's allocator reserved it."""
 
     def __init__(self, trainer: QerlGRPOTrainer):
         self.trainer = trainer
@@ -125,6 +128,22 @@ class _PhaseTimes(TrainerCallback):
             metrics[f"time/{phase}_s"].append(seconds)
         if torch.cuda.is_available():
             metrics["memory/peak_gb"].append(torch.cuda.max_memory_allocated() / 1e9)
+            metrics["memory/reserved_peak_gb"].append(torch.cuda.max_memory_reserved() / 1e9)
+
+
+def _align_special_tokens(model, tokenizer) -> None:
+    """The model's PAD/BOS/EOS ids aligned with the tokenizer's, as transformers' Trainer
+    aligns them (its own function), but without its notice at every run: the tokenizer is
+    the model's own or the one the configuration names, so no setting could answer it."""
+    from transformers.trainer_utils import align_special_tokens
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        align_special_tokens(model, tokenizer)
+    finally:
+        logging.set_verbosity(level)
 
 
 class QerlGRPOTrainer(GRPOTrainer):
@@ -137,6 +156,7 @@ class QerlGRPOTrainer(GRPOTrainer):
             rewards.append(checked(overlong_reward(rl.max_completion_length,
                                                    rl.overlong.buffer, rl.overlong.penalty)))
         device = next(policy.model.parameters()).device
+        _align_special_tokens(policy.model, tokenizer)
         super().__init__(model=policy.model, reward_funcs=rewards,
                          args=grpo_args(config, use_cpu=device.type != "cuda"),
                          train_dataset=train_dataset, processing_class=tokenizer,
@@ -156,9 +176,25 @@ class QerlGRPOTrainer(GRPOTrainer):
             use_liger(policy.base_model)
         self.add_callback(_RestoreNoise(self))
         self.add_callback(_PhaseTimes(self))
+        self._threads = CPUThreads() if device.type == "cpu" else None
         self._phases = dict.fromkeys(PHASES, 0.0)
         self._engine: Engine | None = None
         self._rollout_calls = (-1, 0)  # (step, rollouts sampled in it)
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self._threads is not None:
+                self._threads.restore()
+
+    def _on_idle_cores(self) -> None:
+        """On a CPU: what follows (a rollout, a training forward and backward) runs on as
+        many threads as other processes left cores idle since the last such call
+        (qerl.cpu_threads; other jobs come and go within a step), logged as
+        ``cpu/threads``."""
+        if self._threads is not None:
+            self._metrics["train"]["cpu/threads"].append(self._threads.adjust())
 
     # Rollouts ---------------------------------------------------------------------
 
@@ -169,10 +205,11 @@ class QerlGRPOTrainer(GRPOTrainer):
                                                                                       trial))
 
     def _engine_for(self, batch: int) -> Engine:
-        """An engine for ``batch`` sequences, or for as many as engine.kv_budget_gb holds
-        (the rollout then runs in chunks of that size)."""
+        """An engine for ``batch`` sequences, or for as many as engine.max_batch names or
+        engine.kv_budget_gb holds (the rollout then runs in chunks of that size)."""
         rl = self.qerl_config.rl
         seq_len = rl.max_prompt_length + rl.max_completion_length
+        batch = min(batch, self.qerl_config.engine.max_batch or batch)
         budget = self.qerl_config.engine.kv_budget_gb
         if budget is not None:
             dtype = self.policy.base_model.get_input_embeddings().weight.dtype
@@ -214,6 +251,7 @@ class QerlGRPOTrainer(GRPOTrainer):
                                 seed=self._rollout_seed())
         if self.accelerator.device.type == "cuda":
             torch.cuda.synchronize()
+        self._on_idle_cores()
         built = time.perf_counter()
         # Building the engine (vLLM: export, load, graphs; a first step's cost) is rollout
         # time, not scoring's; the tokens/s below are the generation's alone.
@@ -242,6 +280,7 @@ class QerlGRPOTrainer(GRPOTrainer):
         """TRL's loss, and the mismatch between the log-probs the rollout sampled with and
         the training forward's: the pre-update forward's where TRL ran one, else (its
         log-probs equal then) the loss's own."""
+        self._on_idle_cores()
         sampled = inputs.get("sampling_per_token_logps")
         if sampled is not None and inputs.get("old_per_token_logps") is not None:
             self._log_mismatch(inputs["old_per_token_logps"], sampled, inputs["completion_mask"])

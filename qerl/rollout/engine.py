@@ -26,7 +26,7 @@ from torch import nn
 from qerl.archs import MODEL_TYPES
 from qerl.errors import QerlError
 from qerl.rollout.decoder import Decoder, KVCache
-from qerl.rollout.sampling import SamplingParams, sample
+from qerl.rollout.sampling_params import SamplingParams, sample
 
 # A step attends over the cache's slots up to its own, rounded up to a multiple of this: one
 # CUDA graph per batch size and bucket, instead of reading the whole cache at every step
@@ -46,7 +46,7 @@ COMPACT_WHEN = 4
 COMPACT_FROM = 32
 # The prefill runs whole sequences, at most this many tokens a forward. Its activations grow
 # with batch x prompt (PEFT's fp32 LoRA outputs at these rows: a 7B rollout's peak grew by
-# ~37 GB from 1 to 512 prompts of 256 tokens in one forward, H200); the cache's do not. At
+# tens of GB from 1 to 512 prompts of 256 tokens in one forward); the cache's do not. At
 # this many rows the projections' GEMMs already run at full rate.
 PREFILL_TOKENS = 16384
 

@@ -30,7 +30,7 @@ import torch
 from qerl.export import export_for_vllm
 from qerl.policy import ADAPTER
 from qerl.rollout.engine import Rollout, RolloutError
-from qerl.rollout.sampling import SamplingParams
+from qerl.rollout.sampling_params import SamplingParams
 
 
 def _load_norms(norms: dict[str, torch.Tensor], model: torch.nn.Module) -> int:

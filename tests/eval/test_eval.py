@@ -186,3 +186,34 @@ def test_the_same_evaluation_writes_the_same_samples(chat_model, tmp_path):
     same = {"bench", "problems", "pass@1", "pass@2"}
     assert [{k: r[k] for k in same & set(r)} for r in rows[0]] == [
         {k: r[k] for k in same & set(r)} for r in rows[1]]
+
+
+def test_a_failed_run_leaves_settings_a_corrected_command_may_replace(chat_model, tmp_path,
+                                                                      capsys):
+    """A wrong --adapter (missing: named as missing) fails before any sample; the corrected
+    command then runs in the same --out, its settings taking the failed run's place."""
+    out = tmp_path / "eval"
+    command = ["eval", "--model", str(chat_model), "--bench", "gsm8k", "--data",
+               f"gsm8k={GSM8K['gsm8k']}", "--limit", "2", "--samples", "1",
+               "--max-tokens", "2", "--out", str(out)]
+    assert cli([*command, "--adapter", str(tmp_path / "no-such-adapter")]) == 2
+    assert f"no adapter directory at {tmp_path / 'no-such-adapter'}" in capsys.readouterr().err
+    assert cli(command) == 0
+    assert json.loads((out / "settings.json").read_text())["adapter"] is None
+    assert len(lines(out / "gsm8k.jsonl")) == 2
+    # Once samples exist, other settings are refused, as before.
+    with pytest.raises(EvalError, match="other settings"):
+        evaluate(str(chat_model), ["gsm8k"], out, EvalSettings(samples=1, max_tokens=3),
+                 data=GSM8K, limit=2)
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "virtual"])
+def test_an_output_that_cannot_be_made_is_named(tmp_path, capsys, where):
+    (tmp_path / "file").write_text("")
+    out = {"under-a-file": tmp_path / "file" / "eval", "virtual": "/proc/qerl-eval"}[where]
+    assert cli(["eval", "--model", "m", "--bench", "gsm8k", "--data",
+                f"gsm8k={GSM8K['gsm8k']}", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert (f"{tmp_path / 'file'} is a file" in err if where == "under-a-file"
+            else "/proc takes no" in err), err

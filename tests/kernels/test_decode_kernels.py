@@ -1,7 +1,8 @@
 """The decode step's kernels (RMSNorm + residual, rotary + cache write, LoRA shrink/expand)
-against the torch code they replace: under Triton's CPU interpreter on small odd shapes
-(fp32, where the interpreter rounds like the GPU) and in bf16 on a GPU. They round where
-torch rounds; only the order of their sums differs (rotary has none: bit-exact)."""
+against the modules they replace, transformers' RMSNorm and rotary embedding and PEFT's
+LoRA Linear: under Triton's CPU interpreter on small odd shapes (fp32, where the
+interpreter rounds like the GPU) and in bf16 on a GPU. They round where those modules
+round; only the order of their sums differs (rotary has none: bit-exact)."""
 
 from __future__ import annotations
 
@@ -31,15 +32,26 @@ def rand(gen, *shape, dtype=torch.float32, scale=1.0):
 
 @pytest.mark.parametrize("dtype", dtypes())
 @pytest.mark.parametrize("n", [40, 96])
-def test_rms_norm_matches_hugging_face(poisoned, dtype, n):
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_rms_norm_matches_hugging_face(poisoned, dtype, n, arch):
+    """Against transformers' own RMSNorm module of the family, fed the residual sum as the
+    decoder layer computes it (h + residual in the model's dtype); with AQN's fp32 weight,
+    its output cast back to the input's dtype (AQN's hook)."""
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
+    norm_class = getattr(importlib.import_module(
+        f"transformers.models.{arch}.modeling_{arch}"), f"{arch.capitalize()}RMSNorm")
     x, res = rand(gen, 3, 5, n, dtype=dtype), rand(gen, 3, 5, n, dtype=dtype)
     for weight in (rand(gen, n, dtype=dtype), rand(gen, n)):  # model dtype, and AQN's fp32
+        norm = norm_class(n, eps=1e-6).to(device())
+        with torch.no_grad():
+            norm.weight = torch.nn.Parameter(weight)
         for residual in (None, res):
             out, total = rmsnorm.rms_norm(x, weight, 1e-6, residual)
-            ref_out, ref_total = rmsnorm.reference_rms_norm(x, weight, 1e-6, residual)
-            assert torch.equal(total, ref_total), seed
+            h = x if residual is None else x + residual
+            with torch.no_grad():
+                ref_out = norm(h).to(dtype)
+            assert torch.equal(total, h), seed
             assert out.dtype == dtype
             # Only the sum of squares' order differs; bf16 rows may round one ulp apart.
             tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {
@@ -61,31 +73,38 @@ def test_rms_norm_on_strided_rows_and_bad_weight():
 @pytest.mark.parametrize("dtype", dtypes())
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_rotary_into_cache_matches_hugging_face(poisoned, dtype, arch):
-    """Queries returned, keys and values written at their slots; the rest of the cache is
-    untouched."""
+    """Against transformers' own rotary embedding module and apply_rotary_pos_emb of the
+    family (positions past each sequence's padding, as the engine gives them): queries
+    returned, keys and values written at their slots; the rest of the cache untouched."""
+    from transformers import AutoConfig
+
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     batch, steps, heads, kv_heads, head_dim, slots = 3, 2, 6, 2, 24, 9
+    modeling = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
+    config = AutoConfig.for_model(arch, hidden_size=heads * head_dim, head_dim=head_dim,
+                                  num_attention_heads=heads, num_key_value_heads=kv_heads)
+    rotary = getattr(modeling, f"{arch.capitalize()}RotaryEmbedding")(config).to(device())
     q = rand(gen, batch, steps, heads * head_dim, dtype=dtype)
     k, v = (rand(gen, batch, steps, kv_heads * head_dim, dtype=dtype) for _ in range(2))
-    angle = rand(gen, batch, steps, head_dim // 2) * 3
-    cos = torch.cat([angle.cos()] * 2, -1).to(dtype)
-    sin = torch.cat([angle.sin()] * 2, -1).to(dtype)
     where = torch.tensor([4, 7], device=device())
+    positions = where[None, :] - torch.tensor([[0], [3], [1]], device=device())  # pads
+    cos, sin = rotary(q, positions)
     # A cache for 5 sequences, of which the batch is the first 3 (as the engine slices it).
     k_cache, v_cache = (rand(gen, 2, 5, kv_heads, slots, head_dim, dtype=dtype)
                         for _ in range(2))
-    caches = [k_cache, v_cache, k_cache.clone(), v_cache.clone()]
-    apply = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}"
-                                    ).apply_rotary_pos_emb
-    got = rotary_cache.rotary_into_cache(q, k, v, cos, sin, caches[0][1, :batch],
-                                         caches[1][1, :batch], where)
-    ref = rotary_cache.reference_rotary_into_cache(q, k, v, cos, sin, caches[2][1, :batch],
-                                                   caches[3][1, :batch], where, apply)
+    got_k, got_v = k_cache.clone(), v_cache.clone()
+    got = rotary_cache.rotary_into_cache(q, k, v, cos, sin, got_k[1, :batch],
+                                         got_v[1, :batch], where)
+    shape = (batch, steps, -1, head_dim)
+    ref, ref_k = modeling.apply_rotary_pos_emb(q.view(shape).transpose(1, 2),
+                                               k.view(shape).transpose(1, 2), cos, sin)
+    k_cache[1, :batch, :, where] = ref_k
+    v_cache[1, :batch, :, where] = v.view(shape).transpose(1, 2)
     # 16-bit: bit-exact. fp32: Triton may contract q*cos + rot(q)*sin into an FMA.
     tol = ({"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32
            else {"atol": 0, "rtol": 0})
-    for a, b in ((got, ref), (caches[0], caches[2]), (caches[1], caches[3])):
+    for a, b in ((got, ref), (got_k, k_cache), (got_v, v_cache)):
         torch.testing.assert_close(a, b, **tol, msg=lambda m, s=seed: f"{s}: {m}")
 
 
@@ -104,23 +123,41 @@ def test_rotary_into_cache_refuses_mismatched_heads():
                          [(1, 8, 3, 3), (5, 16, 2, 1), (19, 24, 1, 2), (33, 64, 3, None),
                           (70, 16, 2, 3), (200, 32, 3, None), (449, 32, 2, None)])
 def test_lora_shrink_expand_match_peft(poisoned, lora_dtype, rows, rank, group, splits):
-    """Each member of a group: base + x A^T B^T * scaling as PEFT computes it, from a base
-    given whole or as fp32 partials split over K."""
+    """Each member of a group against PEFT's own LoRA Linear (dropout off) over a frozen
+    Linear: its base given to the expand whole, or as fp32 partial sums over slices of K
+    (as the NVFP4 kernel hands them over)."""
+    from peft import LoraConfig
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     dtype = torch.float32 if interpreting() else torch.bfloat16
     k, widths = 136, [72, 40, 40][:group]
     x = rand(gen, rows, k, dtype=dtype)
-    a = [rand(gen, rank, k, dtype=lora_dtype, scale=0.1) for _ in range(group)]
-    b = [rand(gen, n, rank, dtype=lora_dtype, scale=0.1) for n in widths]
+    layers = []
+    for n in widths:
+        base = torch.nn.Linear(k, n, bias=False, device=device(), dtype=dtype)
+        with torch.no_grad():
+            base.weight.copy_(rand(gen, n, k, dtype=dtype, scale=0.1))
+        layer = LoraLinear(base, "default", LoraConfig(), r=rank, lora_alpha=rank // 2)
+        layer.to(device())
+        with torch.no_grad():
+            for part, shape in (("lora_A", (rank, k)), ("lora_B", (n, rank))):
+                module = getattr(layer, part)["default"].to(lora_dtype)
+                module.weight.copy_(rand(gen, *shape, dtype=lora_dtype, scale=0.1))
+        layers.append(layer.eval())
+    a = [layer.lora_A["default"].weight for layer in layers]
+    b = [layer.lora_B["default"].weight for layer in layers]
     xa = lora_decode.lora_shrink(x, a, splits)
     assert xa.shape == (rows, group * rank)
-    for g, n in enumerate(widths):
-        partials = rand(gen, 3, rows, n)
-        base = partials.sum(0).to(dtype)
-        ref = lora_decode.reference_lora(x, base, a[g], b[g], 0.5)
-        for given in (partials, base[None]):
-            got = lora_decode.lora_expand(xa, g, b[g], 0.5, given, dtype)
+    for g, layer in enumerate(layers):
+        with torch.no_grad():
+            ref = layer(x)
+            weight = layer.base_layer.weight.float()
+            partials = torch.stack([x[:, s].float() @ weight[:, s].T for s in
+                                    (slice(0, 48), slice(48, 96), slice(96, k))])
+        for given in (partials, partials.sum(0).to(dtype)[None]):
+            got = lora_decode.lora_expand(xa, g, b[g], layer.scaling["default"], given, dtype)
             assert got.dtype == dtype
             exact = dtype == torch.float32 and lora_dtype == torch.float32
             tol = {"atol": 1e-5, "rtol": 1e-5} if exact else {"atol": 2e-2, "rtol": 2e-2}

@@ -45,8 +45,8 @@ def _grid(widths, splits, rank):
 @pytest.mark.parametrize("rank", [0, 32])
 def test_shared_x_splits_leave_no_slice_empty_and_no_short_last_wave(rank):
     """Above 8 rows every split has quads of K to do (its partial is written), and where a
-    one-wave grid is near the best, the policy does not pick one just past a wave: the
-    measured 15-25% loss at 17-32 rows on an H200 (7B o: 640 blocks where 528 fit)."""
+    one-wave grid is near the best, the policy does not pick one just past a wave, which
+    ran slower at 17-32 rows on an H200 (7B o: 640 blocks where 528 fit)."""
     sms = 132
     for widths, k in [([3584, 512, 512], 3584), ([3584], 3584), ([18944, 18944], 3584),
                       ([3584], 18944), ([5120, 1024, 1024], 5120), ([5120], 27648),

@@ -81,6 +81,7 @@ def test_a_draw_is_the_argmax_of_logits_plus_gumbel_noise():
     assert torch.equal(tokens, noisy.argmax(-1)), seed
 
 
+@pytest.mark.gpu
 @GPU
 def test_draws_follow_the_tempered_softmax():
     """40,000 draws at once (one per row) over a vocabulary of several slices, each
@@ -101,7 +102,7 @@ def test_draws_follow_the_tempered_softmax():
 @pytest.mark.parametrize("rows", [1, 7, 64, 256, 512])
 def test_slices_fill_the_card_and_stay_short(rows, monkeypatch):
     """~4 programs an SM, and at RL's batch sizes no slice longer than SLICE_BLOCKS blocks
-    of Qwen's vocabulary (long unrolled slices were 4x slower at 256 rows)."""
+    of Qwen's vocabulary (long unrolled slices were slow at 256 rows)."""
     monkeypatch.setattr(sampling, "num_sms", lambda device: 132)
     vocab = 152064
     slices = sampling._slices(rows, vocab, torch.device("cpu"), sampling.BLOCK)

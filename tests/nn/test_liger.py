@@ -54,6 +54,7 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Liger's kernels need a GPU")
 @pytest.mark.parametrize("aqn", [False, True])
 def test_on_gpu_under_autocast_the_fused_ops_match_the_modules(aqn):

@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from qerl.checkpoint import load_checkpoint
 from qerl.formats import nvfp4
+from qerl.formats.nvfp4_checkpoint import load_checkpoint
 from qerl.kernels import nvfp4_matmul as km
 from qerl.nn import NVFP4Linear, nvfp4_linear
-from tests.conftest import fresh_seed
+from tests.conftest import fresh_seed, spec_weight
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or km.interpreting()),
@@ -55,3 +55,83 @@ def test_from_checkpoint_matches_the_quantizer(tiny_model_dir, tiny_checkpoint):
     assert layer.bias is not None and torch.equal(layer.bias, src[f"{name}.bias"])
     assert torch.equal(layer.dequantized_weight(), nvfp4.dequantize(ckpt.quantized[name]))
     assert "format=nvfp4" in repr(layer)
+
+
+# ---- the CPU path: the dense matmul over a weight decoded once -----------------------------
+
+def spec_of(layer: NVFP4Linear) -> torch.Tensor:
+    t = layer.packed_weight
+    return spec_weight(t.packed, t.scale, t.global_scale)
+
+
+@pytest.fixture
+def cpu_layer(reference_kernels):
+    seed = fresh_seed()
+    torch.manual_seed(seed)
+    return NVFP4Linear.from_linear(nn.Linear(96, 48, bias=True)), seed
+
+
+def test_the_cpu_path_matches_float64_and_decodes_once(cpu_layer, monkeypatch):
+    """fp32 activations (a CPU policy's) against the float64 product with the weight decoded
+    by the specification: equal to fp32 rounding (the decoded weight is within two fp32
+    roundings of exact, the sum over 96 products in fp32). Three calls decode once."""
+    layer, seed = cpu_layer
+    decodes = []
+    real = nvfp4.dequantize
+    monkeypatch.setattr(nvfp4, "dequantize", lambda *a: decodes.append(a) or real(*a))
+    x = torch.randn(3, 5, 96, requires_grad=True)
+    w64 = spec_of(layer)
+    ref = x.double() @ w64.T + layer.bias.double()
+    for _ in range(3):
+        y = layer(x)
+    assert len(decodes) == 1
+    assert (y.double() - ref).abs().max() <= 1e-6 * ref.abs().max(), f"seed {seed}"
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert (x.grad.double() - dy.double() @ w64).abs().max() <= 1e-6 * x.grad.abs().max()
+    assert all(not b.requires_grad for b in layer.buffers())
+
+
+def test_the_decoded_weight_follows_every_change_of_the_codes(cpu_layer):
+    """Whatever replaces or rewrites the codes and scales — in place, by load_state_dict, by
+    assigning a new buffer, a new dtype of x — the next call multiplies by the new weight."""
+    layer, seed = cpu_layer
+    other = NVFP4Linear.from_linear(nn.Linear(96, 48, bias=True))
+    x = torch.randn(4, 96)
+
+    def expect(dtype=torch.float32):
+        w = spec_of(layer)
+        ref = x.double() @ w.T + layer.bias.double()
+        got = layer(x.to(dtype)).double()
+        assert (got - ref).abs().max() <= (1e-6 if dtype == torch.float32 else 2e-2) * \
+            ref.abs().max(), f"seed {seed}"
+
+    expect()
+    with torch.no_grad():
+        layer.weight_pairs.copy_(other.weight_pairs)  # codes rewritten in place
+    expect()
+    with torch.no_grad():
+        layer.weight_scale.copy_(other.weight_scale)
+    expect()
+    with torch.no_grad():
+        layer.weight_global_scale.mul_(2)
+    expect()
+    layer.load_state_dict(NVFP4Linear.from_linear(nn.Linear(96, 48)).state_dict(),
+                          strict=False)
+    expect()
+    layer.weight_pairs = other.weight_pairs.clone()  # a new buffer
+    expect()
+    expect(torch.bfloat16)  # bf16: the weight and the output rounded to bf16
+    expect()
+
+
+def test_inference_tensors_are_decoded_at_every_call(reference_kernels):
+    """Codes made under inference_mode keep no version counter: no copy is kept, and a
+    rewrite is still seen."""
+    with torch.inference_mode():
+        layer = NVFP4Linear.from_linear(nn.Linear(32, 16, bias=False))
+        x = torch.randn(2, 32)
+        first = layer(x)
+        layer.weight_global_scale.mul_(2)
+        assert torch.allclose(layer(x), first / 2, rtol=1e-6)
+    assert layer._decoded is None

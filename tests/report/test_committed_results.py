@@ -12,6 +12,7 @@ import pytest
 from qerl.report.collect import KINDS, collect
 from qerl.report.run import TABLE_OF, read_paper, unread
 from qerl.report.tables import TABLES
+from tests.conftest import require
 
 RESULTS = Path(__file__).resolve().parents[2] / "results"
 
@@ -36,8 +37,16 @@ SPREAD = {"rollout": ("tok_per_s", ("bf16", "nvfp4", "nf4", "hf-bf16", "vllm-bf1
 PER_RUN = {"train": ["model", "recipe", "method"], "science": ["model", "recipe"]}
 
 
+# Kinds registered before their first rows, which need hardware no run has had yet, each
+# with what will measure it; once its rows are committed, its entry goes.
+AWAITED = {"budget": "qerl bench budget on a GPU: RL steps under a hard memory cap (issue 64)"}
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_every_kind_is_committed_and_every_measurement_shows_in_its_table(committed, kind):
+    if kind in AWAITED:
+        assert kind not in committed.frames, f"{kind} rows are committed: take it off AWAITED"
+        pytest.skip(f"awaited: {AWAITED[kind]}")
     assert kind in committed.frames, f"no committed {kind} results"
     frame = committed.frames[kind]
     table = TABLES[TABLE_OF.get(kind, kind)](committed.frames, read_paper())
@@ -79,3 +88,38 @@ def test_nested_results_folders_are_read_whole_and_their_values_are_current(fold
     found = collect(results)
     assert not [str(p.relative_to(results)) for p in unread(results, found.files)]
     assert_values_current(results, found)
+
+
+def markdown_tables(text: str) -> list[list[int]]:
+    """Each table of a Markdown text as a GitHub-flavoured renderer reads it (markdown-it,
+    not our writer): the cell count of each row, header first."""
+    markdown_it = require("markdown_it")
+    tables, rows = [], None
+    for token in markdown_it.MarkdownIt("commonmark").enable("table").parse(text):
+        if token.type == "table_open":
+            rows = []
+        elif token.type == "tr_open":
+            rows.append(0)
+        elif token.type in ("th_open", "td_open"):
+            rows[-1] += 1
+        elif token.type == "table_close":
+            tables.append(rows)
+    return tables
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("**/tables/*.md")),
+                         ids=lambda p: str(p.relative_to(RESULTS)))
+def test_every_committed_table_is_a_markdown_table(path):
+    """One table, every row as many cells as its header and as the table's CSV has
+    columns (a | in a header once made 15 header cells over 13 delimiters: plain text)."""
+    tables = markdown_tables(path.read_text())
+    assert len(tables) == 1, f"{path}: {len(tables)} tables"
+    columns = len(pd.read_csv(path.with_suffix(".csv"), nrows=0).columns)
+    assert set(tables[0]) == {columns} and len(tables[0]) > 1, path
+
+
+def test_a_bar_in_a_header_or_cell_stays_in_its_cell():
+    from qerl.report.run import markdown
+
+    table = pd.DataFrame({"mean |d log p|": [0.5, 1.0], "what": ["a | b", "c"]})
+    assert markdown_tables(markdown(table)) == [[2, 2, 2]]

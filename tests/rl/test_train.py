@@ -5,6 +5,7 @@ logs, and bad configurations are refused before any work."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -26,9 +27,9 @@ from tests.conftest import CHAT, require, save_tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("reference_kernels")
 
-# Metrics that depend on the clock, not on the run's numbers.
+# Metrics that depend on the clock or the machine's load, not on the run's numbers.
 TIMING = ("step_time", "rollout/tokens_per_s", "train_runtime", "time/rollout_s",
-          "time/score_s", "time/train_s", "time/optimizer_s")
+          "time/score_s", "time/train_s", "time/optimizer_s", "cpu/threads")
 
 
 def settings(model, out, method="qerl", **train) -> dict:
@@ -51,13 +52,16 @@ def run(raw: dict, callbacks=None):
 def test_each_method_trains(chat_model, tmp_path, method):
     if method == "qlora":
         require("bitsandbytes")
+    threads = torch.get_num_threads()  # set for each phase on a CPU, and given back
     trainer = run(settings(chat_model, tmp_path, method))
     metrics = pd.read_csv(tmp_path / METRICS)
     assert list(metrics.step) == [1, 2]
     for column in ("loss", "reward", "entropy", "rollout/tokens_per_s",
                    "rewards/overlong_reward/mean", "rewards/accuracy_reward/mean",
-                   "time/rollout_s", "time/score_s", "time/train_s", "time/optimizer_s"):
+                   "time/rollout_s", "time/score_s", "time/train_s", "time/optimizer_s",
+                   "cpu/threads"):
         assert metrics[column].notna().all(), column
+    assert (metrics["cpu/threads"] >= 1).all() and torch.get_num_threads() == threads
     assert ("aqn/sigma" in metrics) == (method == "qerl")
     # Its padded batches attend without a mask (qerl.nn.padded_attention).
     assert trainer.policy.base_model.config._attn_implementation == "qerl_sdpa"
@@ -67,6 +71,37 @@ def test_each_method_trains(chat_model, tmp_path, method):
     assert last_checkpoint(tmp_path).name == "checkpoint-2"
     assert {"card", "torch", "trl", "processes"} <= set(
         json.loads((tmp_path / "provenance.json").read_text()))
+
+
+class Snapshot(TrainerCallback):
+    """Every tensor of the model (parameters and buffers) as training begins."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.before = {name: t.detach().clone() for name, t in model.state_dict().items()}
+        self.trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("method", ["qerl", "lora"])
+def test_training_moves_every_adapter_weight_and_leaves_the_base_bit_identical(
+        chat_model, tmp_path, monkeypatch, method):
+    """As TRL's own trainer tests check: after two steps every trainable (LoRA) weight
+    has changed, and every other tensor (the NVFP4 codes and scales, the BF16 base, the
+    norms AQN perturbed during each step, the embeddings) is bit-identical. A reward that
+    splits every group gives each step a gradient."""
+    from qerl.rl import trainer as trainer_module
+
+    monkeypatch.setitem(trainer_module.REWARDS, "format",
+                        lambda completions, **_: [float(i % 2) for i in range(len(completions))])
+    raw = settings(chat_model, tmp_path, method)
+    raw["rl"]["mask_truncated_completions"] = False  # a tiny model's completions all are
+    snapshot = Snapshot()
+    trainer = run(raw, [snapshot])
+    assert pd.read_csv(tmp_path / METRICS).grad_norm.gt(0).all()  # (the on-policy loss is 0)
+    after = trainer.model.state_dict()
+    assert after.keys() == snapshot.before.keys()
+    assert snapshot.trainable and all("lora_" in name for name in snapshot.trainable)
+    moved = {name for name, t in snapshot.before.items() if not torch.equal(t, after[name])}
+    assert moved == snapshot.trainable, sorted(moved ^ snapshot.trainable)[:5]
 
 
 class Interrupt(TrainerCallback):
@@ -136,6 +171,30 @@ def test_the_cli_trains_from_a_yaml_file(chat_model, tmp_path):
     assert list(pd.read_csv(tmp_path / "out" / METRICS).step) == [1]
     assert list((tmp_path / "out").rglob("events.out.tfevents.*"))  # TensorBoard
     assert cli(["train", "--config", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_a_model_whose_special_tokens_differ_from_its_tokenizers_trains_quietly(
+        chat_model, tmp_path):
+    """transformers' Trainer aligns the model's PAD/BOS/EOS ids with the tokenizer's and
+    says so at every run, a notice no setting could answer: aligned before it, quietly, to
+    the same ids."""
+    model = tmp_path / "model"
+    shutil.copytree(chat_model, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "eos_token_id": 100,
+                                                   "bos_token_id": 101, "pad_token_id": 102}))
+    said = []  # transformers' own logger, which does not propagate to the root's
+    listener = logging.Handler()
+    listener.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(listener)
+    try:
+        trainer = run(settings(model, tmp_path / "out", "lora", max_steps=1))
+    finally:
+        logging.getLogger("transformers").removeHandler(listener)
+    assert not [line for line in said if "PAD/BOS/EOS" in line]
+    tokenizer = trainer.processing_class
+    assert trainer.model.config.pad_token_id == tokenizer.pad_token_id
+    assert tokenizer.eos_token_id in trainer.model.generation_config.eos_token_id
 
 
 def test_bad_configs_name_the_key(chat_model, tmp_path):
@@ -329,13 +388,14 @@ def test_trl_loss_variants_run(chat_model, tmp_path, method, rl):
 def test_a_kv_budget_splits_the_rollout_into_chunks(chat_model, tmp_path):
     from transformers import AutoConfig
 
+    from qerl.policy import compute_dtype
     from qerl.rollout.decoder import KVCache
 
     raw = settings(chat_model, tmp_path, "lora")
     rl = parse_config(raw).rl
     seq = rl.max_prompt_length + rl.max_completion_length
     per_sequence = seq * KVCache.bytes_per_slot(AutoConfig.from_pretrained(chat_model),
-                                                 torch.bfloat16)  # the model's dtype
+                                                 compute_dtype("cpu"))  # the model's dtype
     raw["engine"] = {"kv_budget_gb": 2.5 * per_sequence / 1e9}  # holds 2 of the 4
     trainer = run(raw)
     assert trainer._engine.max_batch == 2

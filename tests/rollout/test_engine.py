@@ -13,7 +13,7 @@ from qerl.policy import build_policy
 from qerl.rollout import Engine, RolloutError, SamplingParams
 from qerl.rollout import engine as engine_module
 from qerl.rollout.engine import CacheMemoryError, free_bytes
-from qerl.rollout.sampling import sample
+from qerl.rollout.sampling_params import sample
 from tests.conftest import fresh_seed, require_smollm2, save_tiny_model, tiny_config
 from tests.test_policy import randomize_adapter
 

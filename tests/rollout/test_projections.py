@@ -135,6 +135,7 @@ def test_a_prefill_group_adds_each_adapter_once_rounded(method, tiny_model_dir,
         check(project([mlp.down_proj], h)[0], *reference(mlp.down_proj, h))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams and graphs")
 def test_the_shrink_takes_a_side_stream_only_inside_a_captured_graph(tiny_model_dir,
                                                                      monkeypatch):

@@ -1,6 +1,6 @@
 """The vLLM backend against a real vLLM on a GPU, where vLLM is installed beside qerl (it
-lives in an environment of its own: requirements/vllm.txt; CI has none, and these skip
-there). The stand-in module's tests (test_vllm_backend.py) cover the translation of
+lives in an environment of its own: requirements/vllm-cu12.txt or -cu13.txt; CI has none, and
+these skip there). The stand-in module's tests (test_vllm_backend.py) cover the translation of
 requests; these cover what only vLLM itself can show: that it loads qerl's exports as users
 load them, samples what our policy would, and sees each push of the adapter and the norms.
 

@@ -1,9 +1,20 @@
 # Benchmarks (config["bench"]: name -> its options). Each writes CSVs named after the card
-# into its own folder; `qerl bench NAME --help` lists the options.
+# into its own folder; `qerl bench NAME --help` lists the options. Which benchmarks the bench
+# rule runs, and how: qerl.bench.registry.
+from qerl.bench.registry import BENCHMARKS
+
 BENCH = config.get("bench", {})
-FILE_OUTPUT = {"quantize", "fidelity"}  # these take --out FILE, the others --out-dir
-CPU_CAPABLE = {"quantize", "fidelity"}
-CPU_ONLY = {"fidelity"}  # runs on the CPU wherever it is: no GPU held while it does
+RUNS = {b.command: b for b in BENCHMARKS if b.rule == "bench"}
+
+
+def _check_bench():
+    unknown = sorted(set(BENCH) - set(RUNS))
+    if unknown:
+        raise WorkflowError(f"bench names {unknown}, which the bench rule does not run "
+                            f"(it runs {', '.join(RUNS)})")
+
+
+_check_bench()
 
 
 def bench_args(wildcards):
@@ -11,20 +22,21 @@ def bench_args(wildcards):
 
 
 def bench_out(wildcards, output):
-    if wildcards.bench in FILE_OUTPUT:
+    if RUNS[wildcards.bench].out == "file":
         return f"--out {output[0]}/{wildcards.bench}.csv"
     return f"--out-dir {output[0]}"
 
 
 def bench_gpu(wildcards):
     """Benchmarks time the GPU: they hold one alone (every slot of it)."""
-    if wildcards.bench in CPU_ONLY:
+    device = RUNS[wildcards.bench].device
+    if device == "cpu":
         return 0
-    return max(int(wildcards.bench not in CPU_CAPABLE), WHOLE_GPU)
+    return max(int(device == "cuda"), WHOLE_GPU)
 
 
 def bench_on_gpu(wildcards):
-    return "" if wildcards.bench in CPU_ONLY else ON_WHOLE_GPU
+    return "" if RUNS[wildcards.bench].device == "cpu" else ON_WHOLE_GPU
 
 
 rule bench:

@@ -5,6 +5,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import jsonschema
@@ -43,7 +44,8 @@ MEM_MB = {"large": 64000, "medium": 32000, "small": 16000, **config.get("job_mem
 # GPU jobs take one of a GPU's gpu_jobs slots (Snakemake counts slots, --resources gpu=N,
 # but does not assign GPUs); timed and memory-hungry ones take all of a GPU's slots.
 GPU_JOBS = config.get("gpu_jobs", 1)
-_SLOT = f"python workflows/scripts/gpu_slot.py {WORK}/gpu-locks --share {GPU_JOBS}"
+_SLOT = (f"python workflows/scripts/gpu_slot.py {shlex.quote(f'{WORK}/gpu-locks')} "
+         f"--share {GPU_JOBS}")
 ON_GPU = f"{_SLOT} -- " if USES_GPU else ""
 ON_WHOLE_GPU = f"{_SLOT} --whole -- " if USES_GPU else ""
 WHOLE_GPU = USES_GPU * GPU_JOBS  # the slots such a job counts for
@@ -262,14 +264,15 @@ def pip_source():
 
 
 rule side_env:
-    """A side environment from workflows/envs/NAME.txt (every version pinned)."""
+    """A side environment from workflows/envs/NAME.txt (every version pinned but torch's) with
+    the torch of this one: the sets leave torch to the installation, one torch for all."""
     input: "workflows/envs/{name}.txt"
     output: ".venvs/{name}/bin/python"
     log: f"{WORK}/logs/side_env/{{name}}.log"
-    params: source=pip_source()
+    params: source=pip_source(), torch=f"torch=={version('torch').split('+')[0]}"
     shell:
-        "(python3 -m venv .venvs/{wildcards.name} && "
-        ".venvs/{wildcards.name}/bin/pip install {params.source} -r {input}) > {log} 2>&1"
+        "(python3 -m venv .venvs/{wildcards.name} && .venvs/{wildcards.name}/bin/pip install "
+        "{params.source} -r {input} {params.torch}) > {log} 2>&1"
 
 
 rule export_bf16:

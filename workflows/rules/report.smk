@@ -1,6 +1,7 @@
 # Tables and figures of everything above, the paper's numbers beside them; with
-# report.check set, the run fails when a reproduced number drifts past its tolerance. A run
-# that writes them also writes results_dir/run.json: what ran, where and how long.
+# report.check set, the run fails when a reproduced number drifts past its tolerance, and
+# with report.check_paper it says how many of the paper's numbers it reproduced. A run that
+# writes them also writes results_dir/run.json: what ran, where, how long, and the verdicts.
 import csv
 import datetime
 import json
@@ -44,21 +45,27 @@ def report_inputs():
             *science_targets()]
 
 
-def check_arg():
-    return f"--check {REPORT['check']}" if REPORT.get("check") else ""
+def check_args():
+    """qerl report's checks, as the configuration asks: against our expected values
+    (report.check), against the paper's numbers (report.check_paper)."""
+    checks = ["--check", REPORT["check"]] if REPORT.get("check") else []
+    return shlex.join(checks + (["--check-paper"] if REPORT.get("check_paper") else []))
 
 
-def note_arg():
-    return f"--note {shlex.quote(REPORT['note'])}" if REPORT.get("note") else ""
+RUN_RECORD = Path(RESULTS, "run.json")
+REPORT_LOG = Path(WORK, "logs", "report.log")
 
 
+# The record of the run that made the results before goes first (they are being remade);
+# this run's job times, known once its jobs are done, are checked when it writes its own.
 rule report:
     input: report_inputs()
     output: f"{RESULTS}/tables/values.csv"
-    params: check=check_arg(), note=note_arg(), results=RESULTS
-    log: f"{WORK}/logs/report.log"
+    params: checks=check_args(), results=RESULTS, record=str(RUN_RECORD)
+    log: str(REPORT_LOG)
     benchmark: f"{WORK}/benchmarks/report.tsv"
-    shell: "qerl report --results {params.results} {params.check} {params.note} > {log} 2>&1"
+    shell: "rm -f {params.record}; qerl report --results {params.results} {params.checks} "
+           "> {log} 2>&1"
 
 
 def _reported_this_run() -> bool:
@@ -74,27 +81,58 @@ def _kept() -> list[str]:
 
 
 def say_where_results_are():
-    """After a run that wrote the report: where its tables and figures are, the check's
-    verdict (a drift fails the report job, so a finished run passed it), and which results
-    it kept from before."""
+    """After a run that wrote the report: where its tables and figures are, the checks'
+    verdicts (a drift of a reported number fails the report job; one of a job time fails the
+    run here), and which results it kept from before."""
     if not _reported_this_run():
         return  # this run made other targets
-    check = REPORT.get("check")
-    verdict = (f"every checked value is within its tolerance of {check}" if check
+    record = json.loads(RUN_RECORD.read_text())
+    check = record.get("check")
+    verdict = (check["message"] if check
                else "no expected values to check against (report.check)")
     print(f"\nqerl: tables in {RESULTS}/tables/ (values.csv: every number), figures in "
-          f"{Path(RESULTS, 'figures')}/, the run's record in {RESULTS}/run.json; {verdict}; "
-          f"report log: {WORK}/logs/report.log")
+          f"{Path(RESULTS, 'figures')}/, the run's record in {RUN_RECORD}; {verdict}; "
+          f"report log: {REPORT_LOG}")
+    if "paper" in record:
+        print(f"qerl: the paper's numbers: {record['paper']['message']}")
     kept = _kept()
     if kept:
         print(f"qerl: {len(kept)} of the tables' inputs are from before this run (an earlier "
               f"run's or committed, listed in run.json as kept; e.g. {kept[0]}): "
               f"--forceall measures them all on this machine")
+    if check and not check["passed"]:
+        raise WorkflowError(f"the check failed (run.json records it): {check['message']}")
+
+
+def _report_error() -> str | None:
+    """The error the report job of this run ended with (a drift, a result no table reads),
+    from its log; None where it did not run or did not fail."""
+    if not REPORT_LOG.is_file() or REPORT_LOG.stat().st_mtime < STARTED:
+        return None
+    _, failed, error = REPORT_LOG.read_text().partition("qerl report: error: ")
+    return error.strip() if failed else None
+
+
+def record_failed_report():
+    """After a run whose report job failed: the run's record with its verdict (report.check's,
+    failed), and the verdict said last."""
+    error = _report_error()
+    if error is None:
+        return
+    record = _run_record()
+    record["check"] = {"passed": False, "message": error}
+    RUN_RECORD.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"\nqerl: the report failed (run.json records it): {error}\n"
+          f"qerl: report log: {REPORT_LOG}")
 
 
 def _card() -> str:
+    """The cards the run held, named as its rows' card column names them (a CPU's model on
+    a CPU, qerl.record.card_name)."""
     if DEVICE != "cuda":
-        return "cpu"
+        from qerl.record import card_name
+
+        return card_name("cpu")
     names = gpu_names()
     return (", ".join(f"{names.count(name)} x {name}" for name in sorted(set(names)))
             or "unknown (nvidia-smi sees no GPU)")
@@ -105,12 +143,10 @@ def _when(seconds: float) -> str:
         timespec="seconds")
 
 
-def write_run_record():
-    """results_dir/run.json after a run that wrote the report: the card, the commit, the
-    command, start and end, each job's wall time in seconds (its benchmark file, for the
-    jobs that ran in this run), and the results it kept from before."""
-    if not _reported_this_run():
-        return
+def _run_record() -> dict:
+    """The card, the commit, the command, start and end, each job's wall time in seconds
+    (its benchmark file, for the jobs that ran in this run), and the results kept from
+    before."""
     root = Path(WORK, "benchmarks")
     jobs = {}
     for tsv in sorted(root.rglob("*.tsv")):
@@ -122,7 +158,31 @@ def write_run_record():
     # argv[0] is wherever snakemake was started from (a console script, or python -m's
     # __main__.py): the command a user would type again names the program
     command = shlex.join(["snakemake", *sys.argv[1:]])
-    record = {"card": _card(), "commit": COMMIT, "command": command,
-              "started": _when(STARTED), "ended": _when(ended),
-              "wall_s": round(ended - STARTED, 1), "jobs_s": jobs, "kept": _kept()}
-    Path(RESULTS, "run.json").write_text(json.dumps(record, indent=1) + "\n")
+    return {"card": _card(), "commit": COMMIT, "command": command,
+            "started": _when(STARTED), "ended": _when(ended),
+            "wall_s": round(ended - STARTED, 1), "jobs_s": jobs, "kept": _kept()}
+
+
+def _verdicts(record: dict) -> dict:
+    """What `qerl report --check FILE` (report.check) and `--check-paper` (report.check_paper)
+    say of the results by hand, with this run's job times (``record``'s)."""
+    if not (REPORT.get("check") or REPORT.get("check_paper")):
+        return {}
+    from qerl.report.check import JobTimes
+    from qerl.report.collect import collect
+    from qerl.report.run import verdicts
+
+    jobs = JobTimes(record["jobs_s"], JobTimes.card_of(record["card"]))
+    expected = Path(REPORT["check"]) if REPORT.get("check") else None
+    return verdicts(collect(Path(RESULTS)), Path(RESULTS), expected,
+                    bool(REPORT.get("check_paper")), jobs=jobs)
+
+
+def write_run_record():
+    """results_dir/run.json after a run that wrote the report (``_run_record``), with the
+    checks' verdicts."""
+    if not _reported_this_run():
+        return
+    record = _run_record()
+    record.update(_verdicts(record))
+    RUN_RECORD.write_text(json.dumps(record, indent=1) + "\n")

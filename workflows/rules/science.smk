@@ -39,7 +39,7 @@ def science_sets(wildcards):
     if "aqn" in variant:
         sets["aqn.enabled"] = variant["aqn"]
     sets |= variant.get("set", {})
-    return " ".join(f"--set {shlex.quote(f'{key}={value}')}" for key, value in sets.items())
+    return set_options(sets)
 
 
 def science_adapter_args(wildcards):

@@ -16,6 +16,12 @@ def recipe_file(wildcards):
     return TRAIN["recipes"][wildcards.recipe]
 
 
+def set_options(sets: dict) -> str:
+    """``--set KEY=VALUE`` for each setting, each quoted for the shell: a value or path in
+    the configuration may hold a space or a ``;``."""
+    return " ".join(f"--set {shlex.quote(f'{key}={value}')}" for key, value in sets.items())
+
+
 def train_overrides(wildcards):
     """--set options: the model, method (and rollout backend), run folder, the method's
     learning rate and the configuration's own overrides (e.g. fewer steps in smoke), then
@@ -32,7 +38,7 @@ def train_overrides(wildcards):
     tokenizer = config.get("tokenizers", {}).get(wildcards.model)
     if tokenizer:
         sets["tokenizer"] = tokenizer
-    return " ".join(f"--set {key}={value}" for key, value in sets.items())
+    return set_options(sets)
 
 
 def alone(wildcards):
@@ -56,7 +62,7 @@ rule train:
     resources:
         gpu=lambda wildcards: WHOLE_GPU if alone(wildcards) else USES_GPU,
         mem_mb=MEM_MB["large"],
-    shell:
-        "{params.on_gpu}qerl train --config {input.recipe} {params.sets} > {log} 2>&1 && "
-        "cp {params.run}/metrics.csv {params.run}/config.yaml {params.run}/provenance.json "
-        "$(dirname {output.metrics})/"
+    shell:  # params.sets comes quoted; every path from the configuration is quoted (:q)
+        "{params.on_gpu}qerl train --config {input.recipe:q} {params.sets} > {log:q} 2>&1 && "
+        "cp {params.run:q}/metrics.csv {params.run:q}/config.yaml {params.run:q}/provenance.json "
+        "\"$(dirname {output.metrics:q})/\""

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from qerl.checkpoint import load_checkpoint
 from qerl.errors import CheckpointError
 from qerl.formats import nvfp4
+from qerl.formats.nvfp4_checkpoint import load_checkpoint
 from qerl.quantize import quantize_model
 from qerl.sources import open_source
 

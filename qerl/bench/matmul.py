@@ -1,5 +1,6 @@
-"""Benchmark the NVFP4 kernels against cuBLAS BF16 and a naive dequantize-then-matmul, on
-the Qwen2.5 7B/14B/32B linear layers, forward and input-gradient, for M from 1 to 8192.
+"""Benchmark the NVFP4 matmul (the path its wrappers choose) against cuBLAS BF16 and a naive
+dequantize-then-matmul, on the Qwen2.5 7B/14B/32B linear layers, forward and
+input-gradient, for M from 1 to 8192.
 
     qerl bench kernels                   # -> results/bench/kernels_<card>.csv
     qerl bench kernels --models qwen2.5-7b --layers gate_up,down --m 1,16,64
@@ -17,15 +18,14 @@ device-to-device copy bandwidth measured in the same run.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 from pathlib import Path
 
 import torch
 
-from qerl import archs
+from qerl.bench.gpu_timing import copy_bandwidth, rotating, time_us
+from qerl.bench.layer_sweep import layer_shapes, sweep_arguments
 from qerl.formats import nvfp4
-from qerl.help_format import HelpFormatter
 from qerl.kernels import nvfp4_layout as layout
 from qerl.kernels import nvfp4_matmul as km
 from qerl.record import append_rows, per_card, provenance
@@ -33,98 +33,6 @@ from qerl.report.run import summary
 
 M_VALUES = (1, 8, 16, 32, 48, 64, 96, 128, 192, 256, 512, 2048, 8192)
 MODELS = ("qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b")
-ROTATE_BYTES = 512 << 20
-
-
-def layer_shapes(arch: str) -> dict[str, tuple[int, int]]:
-    """(N, K) of the fused layers vLLM runs: qkv, o, gate_up, down."""
-    c = archs.config_for(arch)
-    head_dim = c.hidden_size // c.num_attention_heads
-    qkv = c.hidden_size + 2 * c.num_key_value_heads * head_dim
-    return {"qkv": (qkv, c.hidden_size), "o": (c.hidden_size, c.hidden_size),
-            "gate_up": (2 * c.intermediate_size, c.hidden_size),
-            "down": (c.hidden_size, c.intermediate_size)}
-
-
-def sweep_arguments(prog: str, doc: str, models, layers, m_values,
-                    argv: list[str] | None) -> argparse.Namespace:
-    """The options of ``qerl bench PROG``, a sweep over models' layers and M (--out-dir,
-    --models, --layers: None for every layer, --m as a list of ints), parsed; refuses a
-    machine without a GPU."""
-    parser = argparse.ArgumentParser(prog=f"qerl bench {prog}", description=doc,
-                                     formatter_class=HelpFormatter)
-    parser.add_argument("--out-dir", type=Path, default=Path("results/bench"))
-    parser.add_argument("--models", default=",".join(models))
-    parser.add_argument("--layers", default=",".join(layers) if layers else None,
-                        help="comma-separated, of qkv, o, gate_up, down"
-                             + ("" if layers else " (default: every one)"))
-    parser.add_argument("--m", default=",".join(map(str, m_values)), help="M values")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit(f"qerl bench {prog}: needs a CUDA GPU (none found)")
-    args.m = [int(m) for m in args.m.split(",")]
-    return args
-
-
-def model_layers(prog: str, models: str, layers: str) -> list[tuple[str, str, tuple[int, int]]]:
-    """(model, layer, (N, K)) for each of the comma-separated models and layers; a layer a
-    model lacks is refused before anything is measured."""
-    grid = []
-    for arch in models.split(","):
-        shapes = layer_shapes(arch)
-        unknown = sorted(set(layers.split(",")) - set(shapes))
-        if unknown:
-            raise SystemExit(f"qerl bench {prog}: no layer {unknown}; the layers are "
-                             f"{', '.join(shapes)}")
-        grid += [(arch, layer, shapes[layer]) for layer in layers.split(",")]
-    return grid
-
-
-def record_sweep(path: Path, base: dict, grid, measure, **extra) -> None:
-    """Each (model, layer, (N, K)) of ``grid`` measured in turn (``measure(N, K)`` -> rows),
-    its rows appended to ``path`` as they come, with ``base`` (provenance), ``extra``
-    columns and the layer's name; the GPU's cache emptied between layers."""
-    for arch, layer, shape in grid:
-        rows = measure(*shape)
-        append_rows(path, [{**base, **extra, "layer": f"{arch}.{layer}", **row} for row in rows])
-        torch.cuda.empty_cache()
-
-
-def say_times(label: str, bf16_us: float, timed: dict) -> None:
-    """One measured point of a sweep as a line: BF16's time, then each variant's (us)."""
-    print(f"{label}: bf16 {bf16_us:.1f} us, "
-          + ", ".join(f"{name} {us:.1f}" for name, us in timed.items()), flush=True)
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 1 GiB device-to-device copy."""
-    import triton.testing
-
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=200,
-                                 return_mode="median")
-    return 2 * src.numel() / (ms * 1e-3)
-
-
-def rotating(make, nbytes: int):
-    """A function returning, in turn, copies made by ``make`` that together exceed the L2
-    cache, so that each call reads its operand from HBM."""
-    copies = [make() for _ in range(max(2, -(-ROTATE_BYTES // nbytes)))]
-    cycle = itertools.cycle(copies)
-    return lambda: next(cycle)
-
-
-def time_us(fn, graph: bool = True) -> float:
-    """Median time of ``fn`` replayed from a CUDA graph: as a decode step runs it, without
-    Python's launch overhead (which alone exceeds a small layer's GPU time). The naive
-    baseline (torch dequantize, host-built lookup table) cannot be captured: timed eagerly."""
-    import triton.testing
-
-    if not graph:
-        return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
-    with torch.cuda.stream(torch.cuda.Stream()):
-        return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
 
 
 class LayerBench:

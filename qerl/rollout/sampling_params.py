@@ -1,4 +1,7 @@
-"""Token sampling: temperature, top-k, top-p, seeds, and the log-probabilities RL needs."""
+"""The rollout's sampling settings (``SamplingParams``: temperature, top-k, top-p, stop
+tokens, seed) and how a step applies them to its logits (``sample``, with the
+log-probabilities RL needs): torch's ops, or in the engine's fused step, where nothing
+truncates, the fused kernel (kernels/sampling.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,170 @@
+"""An RL step fitted to a memory budget (``memory_gb`` in the training configuration; `qerl
+train --memory-gb`, `qerl bench step --memory-gb`), planned from the model's shape before
+any model is built.
+
+The plan keeps what the step learns from (its completions, their lengths, the LoRA rank,
+the optimizer) and chooses how the step runs: gradient checkpointing on (the footprint's
+activation terms are those of checkpointed steps), the most rollout sequences the KV cache
+can hold beside the smallest training micro-batch (the rollout decodes token by token, so
+a step's time goes mostly to how many rounds of it there are), then the largest micro-batch
+that divides the step's completions, up to ``train.batch_size``, in what is left. The
+log-probabilities are TRL's fused LM head's, always computed in tiles (qerl.rl.footprint,
+``logprob``): there is no chunk to choose. A step that cannot fit even at one sequence a
+rollout and a micro-batch of one is refused with its terms and the smallest budget that
+would hold it.
+
+The budget counts memory as the driver sees it: the footprint (torch's allocated peak)
+plus CUDA_CONTEXT_GB, an assumed allowance for what the driver holds outside torch. On a
+GPU it is enforced: torch's allocator is capped at the budget less that allowance
+(``torch.cuda.set_per_process_memory_fraction``), so a run that exceeds its plan fails
+with torch's out-of-memory error instead of using more. On a CPU it is planned, not
+enforced: the same settings are applied, so a CPU run rehearses a GPU run's (the tests
+do), but nothing caps the host's memory, whose use (fp32 weights, no fused kernels) the
+footprint does not model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from qerl.config import TrainConfig
+from qerl.rl.footprint import GB, Step, step_memory
+from qerl.settings import ConfigError
+
+# What the driver holds for a process outside torch's allocator: the CUDA context, cuBLAS's
+# handles and the kernels' modules (ours, Triton's, torch's). ASSUMED, not measured:
+# `qerl bench budget` records each capped run's NVML peak and torch's reserved peak, and
+# their difference is this allowance's measurement. The allocator's own slack (reserved
+# beyond allocated, which the footprint does not model) counts against torch's cap.
+CUDA_CONTEXT_GB = 1.0
+
+
+class BudgetError(ConfigError):
+    """A step that does not fit its memory budget, or a budget that cannot be enforced."""
+
+
+class DoesNotFit(BudgetError):
+    """A step that does not fit its budget even at its smallest settings; ``needs_gb``,
+    the smallest budget that would hold it."""
+
+    def __init__(self, message: str, needs_gb: float):
+        super().__init__(message)
+        self.needs_gb = needs_gb
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a step runs within ``budget_gb``: ``rollout_batch`` sequences a rollout (the KV
+    cache's rows), ``micro_batch`` sequences a forward and backward of ``completions`` a
+    step, gradient checkpointing on; ``terms``, the footprint at those settings (GB)."""
+
+    budget_gb: float
+    context_gb: float
+    completions: int
+    rollout_batch: int
+    micro_batch: int
+    terms: dict[str, float]
+
+    @property
+    def needs_gb(self) -> float:
+        return self.terms["total"] + self.context_gb
+
+    @property
+    def rollout_rounds(self) -> int:
+        return -(-self.completions // self.rollout_batch)
+
+    def describe(self) -> str:
+        return (f"memory budget {self.budget_gb:g} GB: {self.rollout_batch} of the step's "
+                f"{self.completions} sequences a rollout ({self.rollout_rounds} round(s)), "
+                f"micro-batch {self.micro_batch}, gradient checkpointing; estimated "
+                f"{self.needs_gb:.2f} GB; {breakdown(self.terms, self.context_gb)}")
+
+    def as_dict(self) -> dict:
+        return {"budget_gb": self.budget_gb, "context_gb": self.context_gb,
+                "context_measured": False, "completions": self.completions,
+                "rollout_batch": self.rollout_batch, "micro_batch": self.micro_batch,
+                "gradient_checkpointing": True, "needs_gb": round(self.needs_gb, 3),
+                **{f"{k}_gb": round(v, 3) for k, v in self.terms.items()}}
+
+
+def breakdown(terms: dict[str, float], context_gb: float) -> str:
+    """The terms of a footprint as a sentence."""
+    activations = terms["checkpointed"] + max(terms["layer"], terms["logprob"])
+    return (f"in GB, weights {terms['weights']:.2f}, LoRA and optimizer {terms['lora']:.2f}, "
+            f"KV cache {terms['kv_cache']:.2f}, activations {activations:.2f} (checkpointed "
+            f"inputs {terms['checkpointed']:.2f}, then the larger of one layer's recompute "
+            f"{terms['layer']:.2f} and the log-prob tiles {terms['logprob']:.2f}) and a CUDA "
+            f"context allowance of {context_gb:.2f} (assumed, not measured)")
+
+
+def plan_step(model_config, *, budget_gb: float, method: str, completions: int,
+              max_micro_batch: int, prompt_len: int, completion: int, rank: int,
+              optimizer: str = "adamw_torch", context_gb: float = CUDA_CONTEXT_GB) -> Plan:
+    """The plan of a step of ``completions`` sequences of a model of ``model_config`` (a
+    transformers config) within ``budget_gb``; DoesNotFit where none does."""
+    if budget_gb <= 0 or completions < 1 or max_micro_batch < 1:
+        raise BudgetError(f"a plan needs a positive budget, completions and micro-batch; got "
+                          f"{budget_gb} GB, {completions}, {max_micro_batch}")
+
+    def needs(sequences: int, micro_batch: int) -> dict[str, float]:
+        return step_memory(model_config, Step(method, sequences, micro_batch, prompt_len,
+                                              completion, rank, optimizer))
+
+    def fits(sequences: int, micro_batch: int) -> bool:
+        return needs(sequences, micro_batch)["total"] + context_gb <= budget_gb
+
+    if not fits(1, 1):
+        smallest = needs(1, 1)
+        least = math.ceil((smallest["total"] + context_gb) * 100) / 100
+        raise DoesNotFit(
+            f"a {method} step of {completions} sequences of {prompt_len} + {completion} "
+            f"tokens (prompt + completion; LoRA rank {rank}, {optimizer}) does not fit "
+            f"memory_gb {budget_gb:g}: at the smallest settings (1 sequence a rollout, "
+            f"micro-batch 1, gradient checkpointing) it needs {least:.2f} GB; "
+            f"{breakdown(smallest, context_gb)}. The smallest budget that fits: {least:.2f} GB",
+            least)
+    # The KV cache first: the largest rollout batch beside a micro-batch of one, evened out
+    # over the rounds it takes (5 + 3 of 8 as 4 + 4: as fast, and the rest to training).
+    rollout = max(r for r in range(1, completions + 1) if fits(r, 1))
+    rounds = -(-completions // rollout)
+    rollout = -(-completions // rounds)
+    micro = max(m for m in range(1, min(max_micro_batch, completions) + 1)
+                if completions % m == 0 and fits(rollout, m))
+    return Plan(budget_gb, context_gb, completions, rollout, micro, needs(rollout, micro))
+
+
+def fit(config: TrainConfig, model_config) -> tuple[TrainConfig, Plan]:
+    """``config`` planned into its ``memory_gb`` (a model of ``model_config``): the same
+    completions a step, in the plan's micro-batches and rollout batches, with gradient
+    checkpointing."""
+    if config.memory_gb is None:
+        raise BudgetError("the configuration sets no memory_gb to fit")
+    train, rl = config.train, config.rl
+    completions = train.batch_size * train.gradient_accumulation_steps
+    plan = plan_step(model_config, budget_gb=config.memory_gb, method=config.method,
+                     completions=completions, max_micro_batch=train.batch_size,
+                     prompt_len=rl.max_prompt_length, completion=rl.max_completion_length,
+                     rank=config.lora.rank, optimizer=train.optimizer)
+    planned = config.model_copy(update={
+        "train": train.model_copy(update={
+            "batch_size": plan.micro_batch, "gradient_checkpointing": True,
+            "gradient_accumulation_steps": completions // plan.micro_batch}),
+        "engine": config.engine.model_copy(update={"max_batch": plan.rollout_batch})})
+    return planned, plan
+
+
+def enforce(plan: Plan, device) -> str:
+    """Cap torch's allocator on the CUDA ``device`` at the plan's budget less its context
+    allowance; what was done, as a sentence for the log."""
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory / GB
+    if plan.budget_gb > total:
+        raise BudgetError(f"memory_gb {plan.budget_gb:g} is more than {device} holds "
+                          f"({total:.2f} GB)")
+    fraction = (plan.budget_gb - plan.context_gb) / total
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return (f"enforced: torch.cuda.set_per_process_memory_fraction({fraction:.4f}) caps "
+            f"torch's allocator on {device} at {fraction * total:.2f} of its {total:.2f} GB "
+            f"(the budget less the CUDA context allowance of {plan.context_gb:.2f} GB)")

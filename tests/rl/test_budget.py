@@ -1,0 +1,248 @@
+"""A memory budget (qerl.rl.budget): the plan for the Qwen2.5 shapes against arithmetic
+written here from their config.json fields, the refusal's numbers, the configuration's
+checks, the cap on a GPU, and `qerl train --memory-gb` on a tiny model on the CPU, where
+the plan is applied but not enforced."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from qerl.archs import config_for
+from qerl.cli import main as cli
+from qerl.config import ConfigError, parse_config
+from qerl.rl import budget
+from qerl.rl.budget import CUDA_CONTEXT_GB, BudgetError, plan_step
+from qerl.rl.run import MEMORY_PLAN, METRICS
+from tests.rl.test_train import settings
+
+pytestmark = pytest.mark.usefixtures("reference_kernels")
+
+ARCHS = Path(__file__).resolve().parents[2] / "qerl" / "archs"
+
+
+def bytes_of(fields: dict, method: str, sequences: int, micro_batch: int, prompt: int,
+             completion: int, rank: int, optimizer_bytes: int = 8) -> dict[str, float]:
+    """One step's terms in bytes from a config.json's fields, as the footprint defines
+    them (its docstring), written out weight by weight."""
+    h, inter = fields["hidden_size"], fields["intermediate_size"]
+    layers, vocab = fields["num_hidden_layers"], fields["vocab_size"]
+    head = fields.get("head_dim") or h // fields["num_attention_heads"]
+    q, kv = fields["num_attention_heads"] * head, fields["num_key_value_heads"] * head
+    # q, k, v, o; gate, up, down: (in, out) each
+    linears = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
+    weights = layers * sum(i * o for i, o in linears)
+    embeddings = vocab * h * (1 if fields["tie_word_embeddings"] else 2)
+    per_weight = 2 if method == "lora" else 4 / 8 + 1 / 16  # nibble + a byte per 16
+    adapter = layers * sum(rank * i + rank * o for i, o in linears)
+    tokens = prompt + completion
+    scored = micro_batch * completion
+    # BF16 tensors a token of a layer's recompute (qlora: PEFT's fp32 input copies)
+    per_token = 6 * inter + 20 * h if method == "qlora" else 4 * inter + 8 * h
+    return {
+        "weights": weights * per_weight + embeddings * 2,
+        "lora": adapter * (4 + 4 + optimizer_bytes),
+        "kv_cache": sequences * tokens * layers * (kv + kv) * 2,
+        "checkpointed": micro_batch * tokens * layers * h * 2,
+        "layer": micro_batch * tokens * per_token * 2,
+        "logprob": min(scored, 4096) * min(vocab, 32768) * 2 + scored * h * 6,
+    }
+
+
+def total_gb(terms: dict[str, float]) -> float:
+    peak = max(terms["layer"], terms["logprob"])
+    rest = sum(v for k, v in terms.items() if k not in ("layer", "logprob"))
+    return (rest + peak) / 1e9
+
+
+def expected_plan(fields, method, budget_gb, completions, max_micro, prompt, completion, rank):
+    """None where nothing fits; else (rollout batch, micro-batch): of every pair that
+    fits (micro-batches dividing the completions), the fewest rollout rounds, then the
+    fewest sequences that take that many, then the largest micro-batch."""
+    fitting = [(r, m) for r in range(1, completions + 1) for m in range(1, max_micro + 1)
+               if completions % m == 0 and total_gb(bytes_of(
+                   fields, method, r, m, prompt, completion, rank)) + CUDA_CONTEXT_GB
+               <= budget_gb]
+    if not fitting:
+        return None
+    return min(fitting, key=lambda rm: (math.ceil(completions / rm[0]), rm[0], -rm[1]))
+
+
+@pytest.mark.parametrize("arch", ["qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b"])
+@pytest.mark.parametrize("budget_gb", [8, 16, 32, 56])
+@pytest.mark.parametrize("method", ["qerl", "qlora", "lora"])
+def test_the_plan_for_each_qwen_size_and_budget_matches_the_arithmetic(arch, budget_gb, method):
+    """The issue's grid: one prompt x 8 completions of 2048 tokens after 64, LoRA rank 32."""
+    fields = json.loads((ARCHS / f"{arch}.json").read_text())
+    want = expected_plan(fields, method, budget_gb, 8, 8, 64, 2048, 32)
+    kwargs = {"budget_gb": budget_gb, "method": method, "completions": 8,
+              "max_micro_batch": 8, "prompt_len": 64, "completion": 2048, "rank": 32}
+    if want is None:
+        with pytest.raises(BudgetError, match="The smallest budget that fits"):
+            plan_step(config_for(arch), **kwargs)
+        return
+    plan = plan_step(config_for(arch), **kwargs)
+    assert (plan.rollout_batch, plan.micro_batch) == want
+    terms = bytes_of(fields, method, *want, 64, 2048, 32)
+    for name, value in terms.items():
+        assert plan.terms[name] == pytest.approx(value / 1e9, rel=1e-12), name
+    assert plan.needs_gb == pytest.approx(total_gb(terms) + CUDA_CONTEXT_GB, rel=1e-12)
+    assert plan.needs_gb <= budget_gb
+
+
+def test_what_fits_where_at_the_issues_targets():
+    """The verdicts the arithmetic above gives at the issue's targets, with the assumed
+    context allowance: QeRL plans 14B into 16 GB and 32B into 32 GB, neither 7B into 8 GB
+    nor 72B into 56 GB; BF16 LoRA none of the four."""
+    def fits(arch, budget_gb, method):
+        fields = json.loads((ARCHS / f"{arch}.json").read_text())
+        return expected_plan(fields, method, budget_gb, 8, 8, 64, 2048, 32) is not None
+
+    targets = [("qwen2.5-7b", 8), ("qwen2.5-14b", 16), ("qwen2.5-32b", 32), ("qwen2.5-72b", 56)]
+    assert [fits(a, b, "qerl") for a, b in targets] == [False, True, True, False]
+    assert not any(fits(a, b, "lora") for a, b in targets)
+
+
+def test_a_refusal_names_each_term_and_the_smallest_budget():
+    fields = json.loads((ARCHS / "qwen2.5-7b.json").read_text())
+    smallest = bytes_of(fields, "qerl", 1, 1, 64, 2048, 32)
+    need = math.ceil((total_gb(smallest) + CUDA_CONTEXT_GB) * 100) / 100
+    kwargs = {"method": "qerl", "completions": 8, "max_micro_batch": 8, "prompt_len": 64,
+              "completion": 2048, "rank": 32}
+    with pytest.raises(BudgetError) as refused:
+        plan_step(config_for("qwen2.5-7b"), budget_gb=8, **kwargs)
+    message = str(refused.value)
+    gb = {k: v / 1e9 for k, v in smallest.items()}
+    for words in (f"weights {gb['weights']:.2f}", f"LoRA and optimizer {gb['lora']:.2f}",
+                  f"KV cache {gb['kv_cache']:.2f}",
+                  f"checkpointed inputs {gb['checkpointed']:.2f}",
+                  f"one layer's recompute {gb['layer']:.2f}",
+                  f"log-prob tiles {gb['logprob']:.2f}",
+                  f"CUDA context allowance of {CUDA_CONTEXT_GB:.2f} (assumed, not measured)",
+                  "does not fit memory_gb 8", f"The smallest budget that fits: {need:.2f} GB"):
+        assert words in message
+    assert plan_step(config_for("qwen2.5-7b"), budget_gb=need, **kwargs).rollout_batch == 1
+    with pytest.raises(BudgetError):
+        plan_step(config_for("qwen2.5-7b"), budget_gb=need - 0.01, **kwargs)
+
+
+def test_eight_bit_adam_counts_ten_bytes_an_adapter_weight():
+    fields = json.loads((ARCHS / "qwen2.5-7b.json").read_text())
+    plan = plan_step(config_for("qwen2.5-7b"), budget_gb=80, method="qerl", completions=8,
+                     max_micro_batch=8, prompt_len=64, completion=2048, rank=32,
+                     optimizer="adamw_8bit")
+    assert plan.terms["lora"] * 1e9 == pytest.approx(
+        bytes_of(fields, "qerl", 8, 8, 64, 2048, 32, optimizer_bytes=2)["lora"])
+
+
+def test_the_budget_is_checked_with_the_rest_of_the_configuration(tmp_path):
+    base = settings("m", tmp_path)
+    for extra, words in (({"method": "full"}, "memory_gb plans the LoRA methods"),
+                         ({"engine": {"kv_budget_gb": 1.0}}, "leave engine.kv_budget_gb unset"),
+                         ({"engine": {"max_batch": 2}}, "leave engine.max_batch unset"),
+                         ({"engine": {"backend": "vllm"}}, "vLLM sizes its own"),
+                         ({"memory_gb": 0}, "memory_gb")):
+        with pytest.raises(ConfigError, match=words):
+            parse_config({**base, "memory_gb": 8, **extra})
+
+
+def test_on_a_gpu_the_budget_caps_torch_at_the_budget_less_the_allowance(monkeypatch):
+    """enforce's arithmetic, with a card's facts stood in: an 80 GB card (decimal) and a
+    16 GB budget give torch 15 GB, 15/80 of it; a budget over the card is refused."""
+    calls = []
+    props = type("Props", (), {"total_memory": 80e9})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, device: calls.append((fraction, device)))
+    plan = plan_step(config_for("qwen2.5-7b"), budget_gb=16, method="qerl", completions=8,
+                     max_micro_batch=8, prompt_len=64, completion=2048, rank=32)
+    said = budget.enforce(plan, "cuda:0")
+    assert calls == [(pytest.approx((16 - CUDA_CONTEXT_GB) / 80), "cuda:0")]
+    assert "set_per_process_memory_fraction(0.1875)" in said and "at 15.00 of its 80.00 GB" in said
+    over = budget.Plan(96, CUDA_CONTEXT_GB, 8, 8, 8, plan.terms)
+    with pytest.raises(BudgetError, match="memory_gb 96 is more than cuda:0 holds"):
+        budget.enforce(over, "cuda:0")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_torch_cannot_allocate_past_the_cap():
+    plan = plan_step(config_for("tiny-llama"), budget_gb=2, method="qerl", completions=2,
+                     max_micro_batch=2, prompt_len=16, completion=16, rank=4)
+    budget.enforce(plan, torch.device("cuda", torch.cuda.current_device()))
+    try:
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            torch.empty(int((2 - CUDA_CONTEXT_GB) * 1e9) + 1, dtype=torch.uint8, device="cuda")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def tiny_budget(model_dir: Path, raw: dict, sequences: int, micro_batch: int) -> float:
+    """The budget that holds ``sequences`` in the rollout's cache and ``micro_batch`` a
+    forward, and not one more of either, by the arithmetic above."""
+    fields = json.loads((model_dir / "config.json").read_text())
+    rl, rank = raw["rl"], raw["lora"]["rank"]
+    need = total_gb(bytes_of(fields, raw["method"], sequences, micro_batch,
+                             rl["max_prompt_length"], rl["max_completion_length"], rank))
+    return need + CUDA_CONTEXT_GB + 1e-7  # under any term's step at this size (~1e-5 GB)
+
+
+def test_qerl_train_memory_gb_on_the_cpu_applies_the_plan(chat_model, tmp_path, capsys,
+                                                          monkeypatch):
+    """On the CPU the plan's settings are applied and not enforced: four completions a step,
+    two in the KV cache at once, one a micro-batch, gradient checkpointing; the log says
+    so and memory_plan.json records it. The training forward never computes logits over
+    every position through lm_head (TRL's fused head scores in tiles; the rollout computes
+    only each sequence's last)."""
+    raw = settings(chat_model, tmp_path / "out", "qerl")
+    memory_gb = tiny_budget(chat_model, raw, sequences=2, micro_batch=1)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    from qerl.rl import run
+
+    seen, built = [], []
+    real_build = run.build_trainer
+
+    def build_trainer(config, callbacks=None):
+        trainer = real_build(config, callbacks)
+        trainer.policy.base_model.lm_head.register_forward_hook(
+            lambda module, args, out: seen.append(tuple(out.shape)))
+        built.append(trainer)
+        return trainer
+
+    monkeypatch.setattr(run, "build_trainer", build_trainer)
+    assert cli(["train", "--config", str(path), "--memory-gb", repr(memory_gb)]) == 0
+    trainer, said = built[0], capsys.readouterr().out
+    assert "memory budget" in said and "planned, not enforced" in said
+    plan = json.loads((tmp_path / "out" / MEMORY_PLAN).read_text())
+    assert (plan["rollout_batch"], plan["micro_batch"], plan["completions"]) == (2, 1, 4)
+    assert plan["context_measured"] is False and plan["needs_gb"] <= memory_gb
+    args = trainer.args
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (1, 4)
+    assert args.gradient_checkpointing and trainer._engine.max_batch == 2
+    assert list(pd.read_csv(tmp_path / "out" / METRICS).step) == [1, 2]
+    # config.yaml keeps the settings as given: a rerun plans them again and resumes.
+    assert yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["train"][
+        "batch_size"] == 4
+    assert seen and all(shape[1] == 1 and shape[0] <= 2 for shape in seen), seen
+
+
+def test_a_step_that_cannot_fit_is_refused_before_any_model_is_built(chat_model, tmp_path,
+                                                                     monkeypatch):
+    from qerl.rl import run
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(run, "build_policy", no_model)
+    raw = {**settings(chat_model, tmp_path / "out"), "memory_gb": CUDA_CONTEXT_GB}
+    with pytest.raises(BudgetError, match=r"does not fit memory_gb 1: .* The smallest budget "
+                                          r"that fits: 1\.01 GB"):
+        run.train(parse_config(raw))
+    assert not (tmp_path / "out" / MEMORY_PLAN).exists()
