@@ -94,6 +94,16 @@ def planned(args: argparse.Namespace, model: str, method: str, budget_gb: float)
         return refused
 
 
+def budgets_to_run(args: argparse.Namespace, model: str, method: str,
+                   card_gb: float) -> list[float]:
+    """The budgets one (model, method) runs at, the whole card's first: the step a capped
+    one is compared with, measured only where some budget's plan fits (a refusal runs
+    nothing, so it needs no comparison)."""
+    fits = any(not isinstance(planned(args, model, method, b), Exception)
+               for b in args.budget_list)
+    return [card_gb, *args.budget_list] if fits else list(args.budget_list)
+
+
 def measure_capped(args: argparse.Namespace, model: str, method: str, budget_gb: float,
                    uuid: str) -> dict:
     """In this process, alone on the GPU ``uuid``: the step trained within ``budget_gb``,
@@ -191,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
                 "rollout_batch": plan.rollout_batch, "micro_batch": plan.micro_batch}
 
     def pair(model: str, method: str) -> list[dict]:
-        budgets = [card_gb, *args.budget_list]
+        budgets = budgets_to_run(args, model, method, card_gb)
         return pair_rows({**base, "model": model, "method": method, **settings}, card_gb,
                          [(b, run(model, method, b)) for b in budgets])
 
