@@ -159,6 +159,9 @@ def enforce(plan: Plan, device) -> str:
     allowance; what was done, as a sentence for the log."""
     import torch
 
+    device = torch.device(device)
+    if device.index is None:  # "cuda": set_per_process_memory_fraction needs its index
+        device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory / GB
     if plan.budget_gb > total:
         raise BudgetError(f"memory_gb {plan.budget_gb:g} is more than {device} holds "

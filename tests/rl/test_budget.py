@@ -175,7 +175,10 @@ def test_on_a_gpu_the_budget_caps_torch_at_the_budget_less_the_allowance(monkeyp
 def test_on_a_gpu_torch_cannot_allocate_past_the_cap():
     plan = plan_step(config_for("tiny-llama"), budget_gb=2, method="qerl", completions=2,
                      max_micro_batch=2, prompt_len=16, completion=16, rank=4)
-    budget.enforce(plan, torch.device("cuda", torch.cuda.current_device()))
+    # The cap is checked where the allocator asks the driver for memory: blocks earlier
+    # tests left cached would be handed out unchecked.
+    torch.cuda.empty_cache()
+    budget.enforce(plan, "cuda")  # the current device, as `qerl train` names it
     try:
         with pytest.raises(torch.cuda.OutOfMemoryError):
             torch.empty(int((2 - CUDA_CONTEXT_GB) * 1e9) + 1, dtype=torch.uint8, device="cuda")
