@@ -162,8 +162,11 @@ def test_on_a_gpu_the_budget_caps_torch_at_the_budget_less_the_allowance(monkeyp
                         lambda fraction, device: calls.append((fraction, device)))
     plan = plan_step(config_for("qwen2.5-7b"), budget_gb=16, method="qerl", completions=8,
                      max_micro_batch=8, prompt_len=64, completion=2048, rank=32)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     said = budget.enforce(plan, "cuda:0")
-    assert calls == [(pytest.approx((16 - CUDA_CONTEXT_GB) / 80), "cuda:0")]
+    budget.enforce(plan, "cuda")  # as `qerl train` names it: the current device's index
+    fraction = pytest.approx((16 - CUDA_CONTEXT_GB) / 80)
+    assert calls == [(fraction, torch.device("cuda", 0)), (fraction, torch.device("cuda", 3))]
     assert "set_per_process_memory_fraction(0.1875)" in said and "at 15.00 of its 80.00 GB" in said
     over = budget.Plan(96, CUDA_CONTEXT_GB, 8, 8, 8, plan.terms)
     with pytest.raises(BudgetError, match="memory_gb 96 is more than cuda:0 holds"):
