@@ -58,10 +58,10 @@ def test_a_pairs_rows_carry_their_verdict_and_time_against_the_whole_card():
 
 
 def test_the_whole_card_runs_only_where_some_budget_fits():
-    # 14B in BF16 is ~30 GB of weights: LoRA cannot fit 16 GB, QeRL's 4-bit base can.
-    args = capped_step.parse(["--memory-gb", "16"])
-    assert capped_step.budgets_to_run(args, "qwen2.5-14b", "lora", 79.6) == [16.0]
-    assert capped_step.budgets_to_run(args, "qwen2.5-14b", "qerl", 79.6) == [79.6, 16.0]
+    # 32B in BF16 is ~65 GB of weights: LoRA cannot fit 32 GB, QeRL's 4-bit base can.
+    args = capped_step.parse(["--memory-gb", "32"])
+    assert capped_step.budgets_to_run(args, "qwen2.5-32b", "lora", 79.6) == [32.0]
+    assert capped_step.budgets_to_run(args, "qwen2.5-32b", "qerl", 79.6) == [79.6, 32.0]
 
 
 def test_the_driver_peak_is_the_most_in_use_above_the_start(monkeypatch):
