@@ -79,7 +79,9 @@ def listing(kind: str):
             return pd.DataFrame()
         spec = KINDS[kind]
         columns = ["card", "model", "method", *spec.setting, *spec.metrics]
-        return _sorted(frame[_present(frame, columns)], ["card", "model", "method"])
+        rows = _sorted(frame[_present(frame, columns)], ["card", "model", "method"])
+        # Under the names its rows give them (e.g. an image's base and CUDA variant).
+        return rows.rename(columns={"model": spec.model, "method": spec.method})
 
     table.__doc__ = f"Every {kind} measurement: its settings and numbers."
     return table
