@@ -6,7 +6,7 @@ backward over micro-batches, and the optimizer — `qerl train` itself, a few st
     qerl bench step                                  # 7B: lora, qlora, qerl; G=8, L=2048
     qerl bench step --archs qwen2.5-32b --methods qerl --grad-ckpt
     qerl bench step --archs qwen2.5-7b --completion 512 --steps 2   # a quick look
-    qerl bench step --archs qwen2.5-14b --prompts 1 --memory-gb 16  # fitted to 16 GB
+    qerl bench step --archs qwen2.5-14b --prompts 1 --memory-gb 18  # fitted to 18 GB
     qerl bench step --device cpu --model smollm2-135m-instruct --methods lora,qerl \\
         --prompts 2 --generations 4 --completion 16 --rank 16 --prompt-tokens 128 \\
         --busy 0,1                # the CPU path: train_smoke.yaml's step, alone and beside
