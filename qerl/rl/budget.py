@@ -41,8 +41,9 @@ CUDA_CONTEXT_GB = 1.0
 # The allocator's slack, a fraction of the footprint: memory torch holds but cannot hand
 # out (blocks split by earlier tensors), which counts against its cap. The first capped
 # runs (results/bench/budget_*.csv, H100, 7B at 10 GB and 14B at 20 GB, planned without
-# it) ran out of memory with ~6% of the cap reserved beyond what was allocated: a floor
-# for what is needed, so ASSUMED above it until a capped run passes with it.
+# it) ran out of memory with ~6% of the cap reserved beyond what was allocated
+# (torch_reserved_gb - torch_peak_gb): a floor for what is needed, so ASSUMED above it
+# until a capped run passes with it.
 ALLOCATOR_SLACK = 0.10
 
 
@@ -74,7 +75,7 @@ class Plan:
 
     @property
     def needs_gb(self) -> float:
-        return self.terms["total"] * (1 + ALLOCATOR_SLACK) + self.context_gb
+        return driver_gb(self.terms, self.context_gb)
 
     @property
     def rollout_rounds(self) -> int:
@@ -92,6 +93,12 @@ class Plan:
                 "rollout_batch": self.rollout_batch, "micro_batch": self.micro_batch,
                 "gradient_checkpointing": True, "needs_gb": round(self.needs_gb, 3),
                 **{f"{k}_gb": round(v, 3) for k, v in self.terms.items()}}
+
+
+def driver_gb(terms: dict[str, float], context_gb: float) -> float:
+    """What a footprint's ``terms`` take as the driver counts them: the footprint, the
+    allocator's slack on it and the CUDA context allowance."""
+    return terms["total"] * (1 + ALLOCATOR_SLACK) + context_gb
 
 
 def breakdown(terms: dict[str, float], context_gb: float) -> str:
@@ -119,15 +126,12 @@ def plan_step(model_config, *, budget_gb: float, method: str, completions: int,
         return step_memory(model_config, Step(method, sequences, micro_batch, prompt_len,
                                               completion, rank, optimizer))
 
-    def gb(terms: dict[str, float]) -> float:  # as the driver would count them
-        return terms["total"] * (1 + ALLOCATOR_SLACK) + context_gb
-
     def fits(sequences: int, micro_batch: int) -> bool:
-        return gb(needs(sequences, micro_batch)) <= budget_gb
+        return driver_gb(needs(sequences, micro_batch), context_gb) <= budget_gb
 
     if not fits(1, 1):
         smallest = needs(1, 1)
-        least = math.ceil(gb(smallest) * 100) / 100
+        least = math.ceil(driver_gb(smallest, context_gb) * 100) / 100
         raise DoesNotFit(
             f"a {method} step of {completions} sequences of {prompt_len} + {completion} "
             f"tokens (prompt + completion; LoRA rank {rank}, {optimizer}) does not fit "
