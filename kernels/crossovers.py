@@ -21,6 +21,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+import torch
+
 DATA = Path(__file__).with_name("crossovers.json")
 # The GEMM is compared from this many rows on; below, the small-M kernels run (CUDA_MAX_M,
 # FUSED_MAX_M in nvfp4_matmul, which imports this module: kept equal by a test).
@@ -58,6 +60,7 @@ def _table() -> dict[str, list[tuple[int, int, int]]]:
             for card, shapes in data.items()}
 
 
+@torch.compiler.assume_constant_result  # torch.compile holds the answer, not the file read
 def gemm_max_m(card: str, n: int, k: int) -> int:
     """Up to how many rows the GEMM runs for an [n, k] weight on ``card`` (the nearest
     measured shape's crossover); FROM_M - 1 where nothing was measured."""

@@ -52,11 +52,12 @@ def build(source: Path, arch: str, out_dir: Path | None = None) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=False).stdout
     flags = ["-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
-             f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+             f"-gencode=arch=compute_{arch},code=sm_{arch}", *torch_flags()]
     # nvcc adds the flags of these variables to every command: they make another build too.
     extra = [os.environ.get(v, "") for v in ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")]
+    # torch's version too: the operators are built against its headers and libraries.
     digest = hashlib.sha256(source.read_bytes() + arch.encode() + version.encode()
-                            + " ".join(flags + extra).encode())
+                            + torch.__version__.encode() + " ".join(flags + extra).encode())
     for header in sorted(source.parent.glob("*.cuh")):
         digest.update(header.read_bytes())
     out_dir = out_dir or cache_dir()
@@ -75,27 +76,58 @@ def build(source: Path, arch: str, out_dir: Path | None = None) -> Path:
     return lib
 
 
+def torch_flags() -> list[str]:
+    """Compile against the running torch's headers and link its libraries (the kernels are
+    its operators, torch_op.cuh), with its C++ ABI. The libraries are found where torch is,
+    as they are when it is imported."""
+    from torch.utils import cpp_extension
+
+    libs = cpp_extension.library_paths()[0]
+    return [*(f"-I{path}" for path in cpp_extension.include_paths()),
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            f"-L{libs}", "-lc10", "-ltorch_cpu", f"-Xlinker=-rpath={libs}"]
+
+
 def arch_of(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     return f"{major}{minor}"
 
 
-def unavailable_reason(device: torch.device, why_not: Callable[[str], str | None]
-                       ) -> str | None:
-    """Why a kernel cannot run on ``device``: not a CUDA device, else ``why_not`` of its
-    architecture, and of the older one the kernels are chosen for where QERL_KERNEL_ARCH
-    names one (compute_capability: that card's choice, made here; None: it can)."""
+def target(source: Path, arch: str) -> str:
+    """What ``source`` is built for on a device of ``arch`` (SOURCES)."""
+    targets = SOURCES[source.name]
+    return arch if targets is None else targets[arch]
+
+
+def unavailable_reason(device: torch.device, source: Path,
+                       why_not: Callable[[str], str | None]) -> str | None:
+    """Why the kernel of ``source`` cannot run on ``device`` (None: it can, its operators
+    registered and its kernels loaded on the device): not a CUDA device; else ``why_not``
+    of its architecture, or a failed build, and the same of the older one the kernels are
+    chosen for where QERL_KERNEL_ARCH names one (compute_capability: that card's choice,
+    made here, built but not loaded: a process registers one library's operators)."""
     if device.type != "cuda":
         return f"{device} is not a CUDA device"
     own, chosen = arch_of(device), compute_capability.chosen_for(device)
-    return why_not(own) or (why_not(chosen) if chosen != own else None)
+    for arch in dict.fromkeys((own, chosen)):
+        reason = why_not(arch) or _failure(source, target(source, arch), arch == own)
+        if reason:
+            return reason
+    return _failure(source, target(source, own), True, index_of(device))
 
 
-def build_failure(load: Callable[[], object]) -> str | None:
-    """The error of ``load`` (building and opening a library), None if it succeeds."""
+@functools.cache
+def _failure(source: Path, arch: str, load: bool, index: int | None = None) -> str | None:
+    """The error of building the library (with ``load``, opening it; with ``index``, loading
+    its kernels on that device), None if there is none."""
     try:
-        load()
-    except (QuantizationError, OSError) as e:
+        if index is not None:
+            loaded(source, arch, index)
+        elif load:
+            library(source, arch)
+        else:
+            build(source, arch)
+    except (QuantizationError, OSError, RuntimeError) as e:
         return str(e)
     return None
 
@@ -104,13 +136,24 @@ def index_of(device: torch.device) -> int:
     return torch.cuda.current_device() if device.index is None else device.index
 
 
+_OPENED: dict[str, str] = {}  # each source's library opened in this process: its arch
+
+
 @functools.cache
 def library(source: Path, arch: str) -> ctypes.CDLL:
-    """The built library of ``source`` for ``arch``, opened. Each library exports
-    ``<stem>_init(device)`` (loads its kernels on a device, before any graph capture: a
-    first launch inside a capture must not be the one that loads the module) and
-    ``<stem>_error_string(error)``, both returning cudaError_t codes."""
+    """The built library of ``source`` for ``arch``, opened: loading it registers its
+    operators' CUDA implementations (torch_op.cuh), so a process opens one architecture's
+    library of a source. Each library also exports ``<stem>_init(device)`` (loads its
+    kernels on a device, before any graph capture: a first launch inside a capture must not
+    be the one that loads the module) and ``<stem>_error_string(error)``, both returning
+    cudaError_t codes."""
+    opened = _OPENED.get(source.stem, arch)
+    if opened != arch:
+        raise QuantizationError(f"{source.name} is loaded for sm_{opened} in this process; "
+                                f"its operators cannot be registered again for sm_{arch} "
+                                "(one GPU architecture a process)")
     lib = ctypes.CDLL(str(build(source, arch)))
+    _OPENED[source.stem] = arch
     init, error = getattr(lib, f"qerl_{source.stem}_init"), _error_string(lib, source)
     init.argtypes, init.restype = [ctypes.c_int], ctypes.c_int
     error.argtypes, error.restype = [ctypes.c_int], ctypes.c_char_p
@@ -121,10 +164,6 @@ def _error_string(lib: ctypes.CDLL, source: Path):
     return getattr(lib, f"qerl_{source.stem}_error_string")
 
 
-def error_text(source: Path, arch: str, error: int) -> str:
-    return _error_string(library(source, arch), source)(error).decode()
-
-
 @functools.cache
 def loaded(source: Path, arch: str, index: int) -> ctypes.CDLL:
     """``library`` with its kernels loaded on cuda:``index``."""
@@ -132,7 +171,7 @@ def loaded(source: Path, arch: str, index: int) -> ctypes.CDLL:
     error = getattr(lib, f"qerl_{source.stem}_init")(index)
     if error:
         raise QuantizationError(f"loading {source.name} on cuda:{index} failed: "
-                                f"{error_text(source, arch, error)}")
+                                f"{_error_string(lib, source)(error).decode()}")
     return lib
 
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from qerl.kernels.nvfp4_matmul import interpreting, num_sms
+from qerl.kernels.device_facts import interpreting, num_sms
 from qerl.kernels.rounding import round_as
 
 WAVES = 3  # programs per SM that the split aims at

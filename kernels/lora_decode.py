@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.kernels.nvfp4_matmul import interpreting, num_sms
+from qerl.kernels.device_facts import interpreting, num_sms
 from qerl.kernels.rounding import round_as
 
 MAX_ROWS = 512  # rows of a decode step the kernels take (RL samples up to ~512 at

@@ -29,6 +29,7 @@
 // shape, and results repeat bit for bit.
 
 #include "nvfp4_decode.cuh"
+#include "torch_op.cuh"
 
 namespace {
 
@@ -647,31 +648,17 @@ cudaError_t launch_bm(const GemmArgs& a, int bm, cudaStream_t stream) {
   }
 }
 
-}  // namespace
-
-extern "C" {
-
-// Loads the kernels on ``device`` and allows them their shared memory: before any graph
-// capture, as the small-M kernel's init.
-int qerl_nvfp4_gemm_init(int device) {
-  const DeviceGuard guard(device);
-  cudaError_t e = guard.error();
-  if (e == cudaSuccess) e = prepare<true>();
-  if (e == cudaSuccess) e = prepare<false>();
-  return e;
-}
-
 // Returns a cudaError_t (0: launched). x is in gemm order, [m, quads * 128]; member i of
 // `members` has pairs[i], scale[i] (row strides stride_p[i], stride_s[i]), global_scale[i],
 // bias[i] (or null) and n[i] rows, all but the last a multiple of 128; out is [m, sum n];
 // partial holds blocks * bm * 256 floats, ready 2 * blocks ints, zeroed. Shapes and
 // strides are checked by the caller.
-int qerl_nvfp4_gemm(int bf16, const void* x, int members,
-                    const void* const* pairs, const long long* stride_p,
-                    const void* const* scale, const long long* stride_s,
-                    const void* const* global_scale, const void* const* bias, const int* n,
-                    void* out, long long stride_om, void* partial, void* ready, int m,
-                    int quads, int bm, int blocks, int device, void* stream) {
+int launch_gemm(int bf16, const void* x, int members,
+                const void* const* pairs, const long long* stride_p,
+                const void* const* scale, const long long* stride_s,
+                const void* const* global_scale, const void* const* bias, const int* n,
+                void* out, long long stride_om, void* partial, void* ready, int m,
+                int quads, int bm, int blocks, int device, void* stream) {
   if (m < 1 || quads < 1 || blocks < 1 || (bm % 64 != 0 || bm < 64 || bm > 256) || members < 1 ||
       members > kMembers)
     return cudaErrorInvalidValue;
@@ -682,8 +669,8 @@ int qerl_nvfp4_gemm(int bf16, const void* x, int members,
   for (int i = 0; i < members; ++i) {
     if (n[i] < 1 || (i + 1 < members && n[i] % kRows != 0)) return cudaErrorInvalidValue;
     a.w[i] = Member{static_cast<const uint8_t*>(pairs[i]), static_cast<const uint8_t*>(scale[i]),
-                    static_cast<const float*>(global_scale[i]),
-                    static_cast<const uint16_t*>(bias[i]), stride_p[i], stride_s[i], total, n[i]};
+                static_cast<const float*>(global_scale[i]),
+                static_cast<const uint16_t*>(bias[i]), stride_p[i], stride_s[i], total, n[i]};
     total += n[i];
   }
   a.out = static_cast<uint16_t*>(out);
@@ -704,8 +691,66 @@ int qerl_nvfp4_gemm(int bf16, const void* x, int members,
   return bf16 ? launch_bm<true>(a, bm, s) : launch_bm<false>(a, bm, s);
 }
 
+}  // namespace
+
+extern "C" {
+
+// Loads the kernels on ``device`` and allows them their shared memory: before any graph
+// capture, as the small-M kernel's init.
+int qerl_nvfp4_gemm_init(int device) {
+  const DeviceGuard guard(device);
+  cudaError_t e = guard.error();
+  if (e == cudaSuccess) e = prepare<true>();
+  if (e == cudaSuccess) e = prepare<false>();
+  return e;
+}
+
 const char* qerl_nvfp4_gemm_error_string(int error) {
   return cudaGetErrorString(static_cast<cudaError_t>(error));
 }
 
 }  // extern "C"
+
+namespace {
+
+// qerl::nvfp4_gemm (its schema and fake implementation are in nvfp4_gemm.py): x in gemm
+// order [quads, 2, rows, 64] (gemm_tiles), its first m rows the tokens; ready 2 * blocks
+// int32 flags, zeroed (gemm_tiles zeroes them on the way), which the launch sets; out [m,
+// sum of the members' rows] in x's dtype.
+at::Tensor nvfp4_gemm_op(const at::Tensor& x, const at::Tensor& ready, at::TensorList pairs,
+                         at::TensorList scale, at::TensorList global_scale,
+                         const c10::List<std::optional<at::Tensor>>& bias, int64_t m,
+                         int64_t token_tile, int64_t blocks) {
+  const size_t members = pairs.size();
+  TORCH_CHECK(scale.size() == members && global_scale.size() == members &&
+                  bias.size() == members,
+              "qerl::nvfp4_gemm takes one scale, global scale and bias (or None) per weight");
+  TORCH_CHECK(ready.numel() >= 2 * blocks, "qerl::nvfp4_gemm needs 2 ready flags a block");
+  for (size_t i = 0; i < members; ++i) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(pairs[i].data_ptr()) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(scale[i].data_ptr()) % 8 == 0,
+                "qerl::nvfp4_gemm needs the codes 16-byte and the scale rows 8-byte aligned");
+  }
+  const std::vector<int> n = qerl::rows(scale);
+  int64_t width = 0;
+  for (int rows : n) width += rows;
+  at::Tensor out = at::empty({m, width}, x.options());
+  at::Tensor partial =
+      at::empty({blocks * token_tile * kThreads}, x.options().dtype(at::kFloat));
+  const auto p = qerl::pointers(pairs), s = qerl::pointers(scale);
+  const auto g = qerl::pointers(global_scale), b = qerl::pointers(bias);
+  const auto stride_p = qerl::row_strides(pairs), stride_s = qerl::row_strides(scale);
+  qerl::check_launch(
+      launch_gemm(x.scalar_type() == at::kBFloat16, x.data_ptr(), static_cast<int>(members),
+                  p.data(), stride_p.data(), s.data(), stride_s.data(), g.data(), b.data(),
+                  n.data(), out.data_ptr(), out.stride(0), partial.data_ptr(),
+                  ready.data_ptr(), static_cast<int>(m), static_cast<int>(x.size(0)),
+                  static_cast<int>(token_tile), static_cast<int>(blocks), x.get_device(),
+                  qerl::stream_of(x)),
+      "the Hopper NVFP4 GEMM");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(qerl, CUDA, m) { m.impl("nvfp4_gemm", &nvfp4_gemm_op); }

@@ -1,16 +1,16 @@
 """The Hopper NVFP4 GEMM in CUDA C++ (nvfp4_gemm.cu): wgmma with the weight decoded into
 its register operand, for the rows past the small-M kernel (nvfp4_gemv) on sm_90.
 
-Built by cuda_build for sm_90a (wgmma is an architecture-specific feature), loaded with
-ctypes, launched on torch's current stream. ``available()`` is False (with
+The PyTorch operator ``qerl::nvfp4_gemm``: its schema and fake implementation are
+defined here; the library cuda_build makes for sm_90a (wgmma is an architecture-specific
+feature) registers its CUDA implementation when it is loaded. It launches on torch's
+current stream. ``available()`` is False (with
 ``unavailable_reason()``) on other GPUs or without nvcc; the wrappers in nvfp4_matmul then
 take the other paths.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +20,7 @@ import triton.language as tl
 
 from qerl.errors import QuantizationError
 from qerl.kernels import cuda_build
+from qerl.kernels import device_facts as facts
 from qerl.kernels import nvfp4_layout as layout
 
 SOURCE = Path(__file__).with_name("nvfp4_gemm.cu")
@@ -57,51 +58,46 @@ def _gemm_tiles_kernel(x_ptr, out_ptr, ready_ptr, M, K, ROWS, stride_xm, READY,
     tl.store(out_ptr + at, v, mask=rows[:, None] < ROWS)
 
 
-def gemm_tiles(x2: torch.Tensor, quads: int, rows: int, ready: torch.Tensor | None = None
-               ) -> torch.Tensor:
+@torch.library.triton_op("qerl::gemm_tiles", mutates_args={"ready"})
+def gemm_tiles(x2: torch.Tensor, quads: int, rows: int, ready: torch.Tensor) -> torch.Tensor:
     """nvfp4_layout.gemm_tiles in one kernel: x2 [M, K] -> [quads, 2, rows, 64]; zeroes the
-    int32 tensor ``ready`` on the way."""
+    int32 tensor ``ready`` on the way. An operator, so torch.compile holds the launch."""
     m, k = x2.shape
     out = torch.empty((quads, 2, rows, layout.GEMM_TILE_COLUMNS), dtype=x2.dtype,
                       device=x2.device)
     block_m = 16
-    n_ready = 0 if ready is None else ready.numel()
-    _gemm_tiles_kernel[(triton.cdiv(rows, block_m), quads)](
-        x2, out, out if ready is None else ready, m, k, rows, x2.stride(0), n_ready,
-        BLOCK_M=block_m, BLOCK_R=triton.next_power_of_2(max(n_ready, 1)))
+    torch.library.wrap_triton(_gemm_tiles_kernel)[(triton.cdiv(rows, block_m), quads)](
+        x2, out, ready, m, k, rows, x2.stride(0), ready.numel(),
+        BLOCK_M=block_m, BLOCK_R=triton.next_power_of_2(max(ready.numel(), 1)))
     return out
 
 
-_c = ctypes
-_POINTERS, _LONGS = _c.POINTER(_c.c_void_p), _c.POINTER(_c.c_longlong)
-# qerl_nvfp4_gemm's parameters in nvfp4_gemm.cu's order (a test reads them against it: a
-# missing one shifts the stream into an int, and the call crashes the process).
-ARGTYPES = [
-    _c.c_int, _c.c_void_p, _c.c_int, _POINTERS, _LONGS, _POINTERS, _LONGS,
-    _POINTERS, _POINTERS, _c.POINTER(_c.c_int), _c.c_void_p, _c.c_longlong, _c.c_void_p,
-    _c.c_void_p, _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_int, _c.c_void_p]
+torch.library.define(
+    "qerl::nvfp4_gemm",
+    "(Tensor x, Tensor(a!) ready, Tensor[] pairs, Tensor[] scale, Tensor[] global_scale, "
+    "Tensor?[] bias, int m, int token_tile, int blocks) -> Tensor")
 
 
-@functools.cache
-def _library(arch: str) -> ctypes.CDLL:
-    lib = cuda_build.library(SOURCE, arch)
-    lib.qerl_nvfp4_gemm.argtypes = ARGTYPES
-    lib.qerl_nvfp4_gemm.restype = ctypes.c_int
-    return lib
+@torch.library.register_fake("qerl::nvfp4_gemm")
+def _fake(x, ready, pairs, scale, global_scale, bias, m, token_tile, blocks):
+    """What the CUDA implementation returns (nvfp4_gemm.cu): [m, sum of N] in x's dtype,
+    x being the rows in gemm order (``gemm_tiles``); it sets the flags ``ready``."""
+    return x.new_empty((m, sum(s.shape[0] for s in scale)))
 
 
-@functools.cache
-def _unavailable(device_arch: str) -> str | None:
-    if device_arch not in ARCHS:
-        return f"the GPU (sm_{device_arch}) has no wgmma (the kernel is for sm_90)"
-    return cuda_build.build_failure(lambda: _library(ARCHS[device_arch]))
+def _unsupported(arch: str) -> str | None:
+    if arch not in ARCHS:
+        return f"the GPU (sm_{arch}) has no wgmma (the kernel is for sm_90)"
+    return None
 
 
 def unavailable_reason(device: torch.device) -> str | None:
-    """Why the kernel cannot run on ``device`` (None: it can); builds it if needed."""
-    return cuda_build.unavailable_reason(device, _unavailable)
+    """Why the kernel cannot run on ``device`` (None: it can, its operator loaded on the
+    device); builds it if needed."""
+    return cuda_build.unavailable_reason(device, SOURCE, _unsupported)
 
 
+@torch.compiler.assume_constant_result
 def available(device: torch.device) -> bool:
     return unavailable_reason(device) is None
 
@@ -115,8 +111,8 @@ def supports(k: int, scale: torch.Tensor, pairs: torch.Tensor) -> bool:
     time and its codes 16, so K is a positive multiple of 128 and scale rows and codes are
     aligned."""
     return (k > 0 and k % layout.TILE_WEIGHTS == 0 and scale.stride(1) == 1
-            and scale.stride(0) % 8 == 0 and scale.data_ptr() % 8 == 0
-            and pairs.data_ptr() % 16 == 0)
+            and scale.stride(0) % 8 == 0 and facts.aligned(scale, 8)
+            and facts.aligned(pairs, 16))
 
 
 @dataclass(frozen=True)
@@ -141,6 +137,7 @@ TOKEN_TILES = (64, 128, 192, 256)  # the kernel's instances (wgmma N)
 PASS_TOKENS = 72
 
 
+@torch.compiler.assume_constant_result  # torch.compile holds the choice
 def token_tile(m: int) -> int:
     """The token tile for m rows (kernels/DESIGN.md): 64 up to 64 rows;
     above, of 128, 192 and 256 the one whose passes over the weight cost least, a pass
@@ -191,36 +188,16 @@ def linear_group(x2: torch.Tensor, weights: list[tuple], k: int,
     for pairs, scale, *_ in weights:
         if not supports(k, scale, pairs):
             raise QuantizationError(f"the Hopper NVFP4 GEMM takes {REQUIREMENT}; got K = {k}")
-    launch = launch or launch_for(m, n, k, torch.cuda.get_device_properties(x2.device)
-                                  .multi_processor_count)
+    launch = launch or launch_for(m, n, k, facts.num_sms(x2.device))
     work = units(m, n, k, launch.token_tile)
     if not 1 <= launch.blocks <= work:
         raise QuantizationError(f"{launch} has blocks outside 1..{work} (the units)")
-    # A block's partial sums and flags: its first piece and its last (nvfp4_gemm.cu).
+    if not available(x2.device):
+        raise QuantizationError(f"the Hopper NVFP4 GEMM cannot run on {x2.device}: "
+                                f"{unavailable_reason(x2.device)}")
+    # A block's first piece and its last each have a flag (nvfp4_gemm.cu).
     ready = torch.empty(2 * launch.blocks, dtype=torch.int32, device=x2.device)
     xg = gemm_tiles(x2, quads, -(-m // launch.token_tile) * launch.token_tile, ready)
-    out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    partial = torch.empty(launch.blocks * launch.token_tile * THREADS,
-                          dtype=torch.float32, device=x2.device)
-    arch = ARCHS[cuda_build.arch_of(x2.device)]
-    _library(arch)
-    lib = cuda_build.loaded(SOURCE, arch, cuda_build.index_of(x2.device))
-
-    def array(ctype, values):
-        return (ctype * len(values))(*values)
-
-    error = lib.qerl_nvfp4_gemm(
-        int(x2.dtype == torch.bfloat16), xg.data_ptr(), len(weights),
-        array(ctypes.c_void_p, [w[0].data_ptr() for w in weights]),
-        array(ctypes.c_longlong, [w[0].stride(0) for w in weights]),
-        array(ctypes.c_void_p, [w[1].data_ptr() for w in weights]),
-        array(ctypes.c_longlong, [w[1].stride(0) for w in weights]),
-        array(ctypes.c_void_p, [w[2].data_ptr() for w in weights]),
-        array(ctypes.c_void_p, [None if w[3] is None else w[3].data_ptr() for w in weights]),
-        array(ctypes.c_int, ns), out.data_ptr(), out.stride(0), partial.data_ptr(),
-        ready.data_ptr(), m, quads, launch.token_tile, launch.blocks,
-        cuda_build.index_of(x2.device), torch.cuda.current_stream(x2.device).cuda_stream)
-    if error:
-        raise QuantizationError(f"the Hopper NVFP4 GEMM failed to launch: "
-                                f"{cuda_build.error_text(SOURCE, arch, error)}")
-    return out
+    return torch.ops.qerl.nvfp4_gemm(
+        xg, ready, [w[0] for w in weights], [w[1] for w in weights], [w[2] for w in weights],
+        [w[3] for w in weights], m, launch.token_tile, launch.blocks)

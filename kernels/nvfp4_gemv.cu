@@ -42,6 +42,7 @@
 #include <cstdint>
 
 #include "nvfp4_decode.cuh"
+#include "torch_op.cuh"
 
 namespace {
 
@@ -451,33 +452,19 @@ void load_all(cudaFuncAttributes* attr) {
   cudaFuncGetAttributes(attr, nvfp4_gemv_kernel<BF16, 4>);
 }
 
-}  // namespace
-
-extern "C" {
-
-// Loads every kernel on ``device`` now: a first launch inside a CUDA-graph capture must not
-// be the one that loads the module (this library has its own CUDA runtime).
-int qerl_nvfp4_gemv_init(int device) {
-  const DeviceGuard guard(device);
-  if (guard.error() != cudaSuccess) return guard.error();
-  cudaFuncAttributes attr;
-  load_all<true>(&attr);
-  load_all<false>(&attr);
-  return cudaGetLastError();
-}
-
-// Returns a cudaError_t (0: launched). Shapes and strides are checked by the caller.
+// Returns a cudaError_t (0: launched). Shapes and strides are checked by the caller
+// (nvfp4_gemv.py).
 // Member g's fields are element g of the arrays (``members`` of them, all of K columns).
 // With lora_a (one fp32 [rank, K] per member, else null) the launch also writes the LoRA
 // shrink's split-K partial sums into xa [splits][m][members * rank].
-int qerl_nvfp4_gemv(int bf16, const void* x, long long stride_xm, int members,
-                    const void* const* pairs, const long long* stride_p,
-                    const void* const* scale, const long long* stride_s,
-                    const void* const* global_scale, const void* const* bias, const int* n,
-                    void* out, int out_f32, long long stride_os, long long stride_om, int m,
-                    int k, int splits, int k_warps, const void* const* lora_a, int rank,
-                    void* xa, long long stride_xas, long long stride_xam, int device,
-                    void* stream) {
+int launch_gemv(int bf16, const void* x, long long stride_xm, int members,
+                const void* const* pairs, const long long* stride_p,
+                const void* const* scale, const long long* stride_s,
+                const void* const* global_scale, const void* const* bias, const int* n,
+                void* out, int out_f32, long long stride_os, long long stride_om, int m,
+                int k, int splits, int k_warps, const void* const* lora_a, int rank,
+                void* xa, long long stride_xas, long long stride_xam, int device,
+                void* stream) {
   if (m < 1 || m > 32 || k % 16 != 0 || splits < 1 || members < 1 ||
       members > kMaxMembers || (k_warps != 1 && k_warps != 2 && k_warps != 4) ||
       (m > 8 && k_warps != 1) ||  // shared x: the block's warps share one K range
@@ -527,8 +514,73 @@ int qerl_nvfp4_gemv(int bf16, const void* x, long long stride_xm, int members,
   return bf16 ? launch_dtype<true>(a, grid, s) : launch_dtype<false>(a, grid, s);
 }
 
+}  // namespace
+
+extern "C" {
+
+// Loads every kernel on ``device`` now: a first launch inside a CUDA-graph capture must not
+// be the one that loads the module (this library has its own CUDA runtime).
+int qerl_nvfp4_gemv_init(int device) {
+  const DeviceGuard guard(device);
+  if (guard.error() != cudaSuccess) return guard.error();
+  cudaFuncAttributes attr;
+  load_all<true>(&attr);
+  load_all<false>(&attr);
+  return cudaGetLastError();
+}
+
 const char* qerl_nvfp4_gemv_error_string(int error) {
   return cudaGetErrorString(static_cast<cudaError_t>(error));
 }
 
 }  // extern "C"
+
+namespace {
+
+// qerl::nvfp4_gemv (its schema and fake implementation are in nvfp4_gemv.py): out [splits,
+// m, sum of the members' rows], fp32 partial sums where splits > 1, else the result in x's
+// dtype; xa [splits, m, members * rank], the LoRA shrink's fp32 partial sums (no columns
+// without adapters).
+std::tuple<at::Tensor, at::Tensor> nvfp4_gemv_op(
+    const at::Tensor& x, at::TensorList pairs, at::TensorList scale,
+    at::TensorList global_scale, const c10::List<std::optional<at::Tensor>>& bias,
+    int64_t splits, int64_t k_warps, at::TensorList lora_a) {
+  const size_t members = pairs.size();
+  TORCH_CHECK(scale.size() == members && global_scale.size() == members &&
+                  bias.size() == members && (lora_a.empty() || lora_a.size() == members),
+              "qerl::nvfp4_gemv takes one scale, global scale and bias (or None) per weight, "
+              "and one adapter per weight or none");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+              "qerl::nvfp4_gemv needs x 16-byte aligned");
+  for (const at::Tensor& w : pairs) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
+                "qerl::nvfp4_gemv needs the packed weights 16-byte aligned");
+  }
+  const std::vector<int> n = qerl::rows(scale);
+  int64_t width = 0;
+  for (int rows : n) width += rows;
+  const int64_t m = x.size(0), rank = lora_a.empty() ? 0 : lora_a[0].size(0);
+  at::Tensor out = at::empty({splits, m, width},
+                             x.options().dtype(splits > 1 ? at::kFloat : x.scalar_type()));
+  at::Tensor xa = at::empty({splits, m, static_cast<int64_t>(lora_a.size()) * rank},
+                            x.options().dtype(at::kFloat));
+  const auto p = qerl::pointers(pairs), s = qerl::pointers(scale);
+  const auto g = qerl::pointers(global_scale), b = qerl::pointers(bias);
+  const auto a = qerl::pointers(lora_a);
+  const auto stride_p = qerl::row_strides(pairs), stride_s = qerl::row_strides(scale);
+  qerl::check_launch(
+      launch_gemv(x.scalar_type() == at::kBFloat16, x.data_ptr(), x.stride(0),
+                  static_cast<int>(members), p.data(), stride_p.data(), s.data(),
+                  stride_s.data(), g.data(), b.data(), n.data(), out.data_ptr(), splits > 1,
+                  out.stride(0), out.stride(1), static_cast<int>(m),
+                  static_cast<int>(x.size(1)), static_cast<int>(splits),
+                  static_cast<int>(k_warps), lora_a.empty() ? nullptr : a.data(),
+                  static_cast<int>(rank), lora_a.empty() ? nullptr : xa.data_ptr(),
+                  xa.stride(0), xa.stride(1), x.get_device(), qerl::stream_of(x)),
+      "the CUDA NVFP4 kernel");
+  return {out, xa};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(qerl, CUDA, m) { m.impl("nvfp4_gemv", &nvfp4_gemv_op); }

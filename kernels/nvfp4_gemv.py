@@ -1,6 +1,8 @@
-"""The small-M NVFP4 matmul in CUDA C++ (nvfp4_gemv.cu): builds it once per GPU
-architecture with nvcc, loads it with ctypes and launches it on torch's current stream
-(so it is captured in CUDA graphs like any kernel).
+"""The small-M NVFP4 matmul in CUDA C++ (nvfp4_gemv.cu) as the PyTorch operator
+``qerl::nvfp4_gemv``: its schema and fake implementation are defined here, so
+torch.compile and fake tensors see it on any machine; the library nvcc builds once per GPU
+architecture registers its CUDA implementation when it is loaded. It launches on torch's
+current stream, so it is captured in CUDA graphs like any kernel.
 
 Rollouts decode a handful of tokens at a time: there the matmul reads the 4-bit weight
 once and does little else, so its speed is the speed of the weight read and the decode.
@@ -15,7 +17,6 @@ GPU is older than Ampere; the Triton kernel then runs instead, with a warning.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ import torch
 
 from qerl.errors import QuantizationError
 from qerl.kernels import cuda_build
+from qerl.kernels import device_facts as facts
 
 SOURCE = Path(__file__).with_name("nvfp4_gemv.cu")
 MAX_M = 32  # four 8-token tiles
@@ -33,36 +35,37 @@ SHARED_X_ABOVE = 8  # rows above which a block's warps share x and one K range (
 log = logging.getLogger(__name__)
 
 
-_c = ctypes
-_PTRS, _LONGS = _c.POINTER(_c.c_void_p), _c.POINTER(_c.c_longlong)
-# qerl_nvfp4_gemv's parameters in nvfp4_gemv.cu's order (a test reads them against it).
-ARGTYPES = [
-    _c.c_int, _c.c_void_p, _c.c_longlong, _c.c_int, _PTRS, _LONGS, _PTRS, _LONGS, _PTRS, _PTRS,
-    _c.POINTER(_c.c_int), _c.c_void_p, _c.c_int, _c.c_longlong, _c.c_longlong, _c.c_int,
-    _c.c_int, _c.c_int, _c.c_int, _PTRS, _c.c_int, _c.c_void_p, _c.c_longlong, _c.c_longlong,
-    _c.c_int, _c.c_void_p]
+torch.library.define(
+    "qerl::nvfp4_gemv",
+    "(Tensor x, Tensor[] pairs, Tensor[] scale, Tensor[] global_scale, Tensor?[] bias, "
+    "int splits, int k_warps, Tensor[] lora_a) -> (Tensor, Tensor)")
 
 
-@functools.cache
-def _library(arch: str) -> ctypes.CDLL:
-    lib = cuda_build.library(SOURCE, arch)
-    lib.qerl_nvfp4_gemv.argtypes = ARGTYPES
-    lib.qerl_nvfp4_gemv.restype = ctypes.c_int
-    return lib
+@torch.library.register_fake("qerl::nvfp4_gemv")
+def _fake(x, pairs, scale, global_scale, bias, splits, k_warps, lora_a):
+    """What the CUDA implementation returns (nvfp4_gemv.cu): the partial sums [splits, M,
+    sum of N] (fp32 where splits > 1, else x's dtype) and the LoRA shrink's fp32 partial
+    sums [splits, M, members * rank] (no columns without adapters)."""
+    width = sum(s.shape[0] for s in scale)
+    rank = lora_a[0].shape[0] if lora_a else 0
+    out = x.new_empty((splits, x.shape[0], width),
+                      dtype=torch.float32 if splits > 1 else x.dtype)
+    return out, x.new_empty((splits, x.shape[0], len(lora_a) * rank), dtype=torch.float32)
 
 
-@functools.cache
-def _unavailable(arch: str) -> str | None:
+def _unsupported(arch: str) -> str | None:
     if int(arch) < 80:
         return f"the GPU (sm_{arch}) has no bf16 tensor-core mma (needs sm_80 or newer)"
-    return cuda_build.build_failure(lambda: _library(arch))
+    return None
 
 
 def unavailable_reason(device: torch.device) -> str | None:
-    """Why the CUDA kernel cannot run on ``device`` (None: it can); builds it if needed."""
-    return cuda_build.unavailable_reason(device, _unavailable)
+    """Why the CUDA kernel cannot run on ``device`` (None: it can, its operator loaded on
+    the device); builds it if needed."""
+    return cuda_build.unavailable_reason(device, SOURCE, _unsupported)
 
 
+@torch.compiler.assume_constant_result
 def available(device: torch.device) -> bool:
     reason = unavailable_reason(device)
     if reason is not None and device.type == "cuda":
@@ -109,6 +112,7 @@ SPLIT_COST = 0.75
 # Cached: the search costs more than a launch, and a decode step outside a CUDA graph launches the
 # kernel ~100 times with a handful of shapes.
 @functools.cache
+@torch.compiler.assume_constant_result  # torch.compile holds the choice
 def _shared_x_splits(m: int, widths: tuple[int, ...], quads: int, num_sms: int, rank: int
                      ) -> int:
     """Above 8 rows a block is four 16-row strips of one member over one K range, and the
@@ -185,13 +189,13 @@ def grouped_partials_and_shrink(x2: torch.Tensor, weights: list[Weight], k: int,
     return _launch(x2, weights, k, splits, k_warps, lora_a)
 
 
-def shrinkable(lora_a: list[torch.Tensor], k: int, device: torch.device) -> bool:
+def shrinkable(lora_a: list[torch.Tensor], k: int, on: torch.device) -> bool:
     """Whether the adapters A_g are what the in-launch shrink reads: fp32 [R, k] of one
-    rank R >= 1, contiguous and 16-byte aligned, on ``device``."""
+    rank R >= 1, contiguous and 16-byte aligned, on the device ``on``."""
     rank = lora_a[0].shape[0]
     return rank >= 1 and all(
         a.dtype == torch.float32 and a.shape == (rank, k) and a.is_contiguous()
-        and a.device == device and a.data_ptr() % 16 == 0 for a in lora_a)
+        and a.device == on and facts.aligned(a, 16) for a in lora_a)
 
 
 def _launch(x2, weights, k, splits, k_warps, lora_a):
@@ -202,46 +206,19 @@ def _launch(x2, weights, k, splits, k_warps, lora_a):
     if not 1 <= len(weights) <= MAX_MEMBERS:
         raise QuantizationError(f"one launch runs 1 to {MAX_MEMBERS} weights, got "
                                 f"{len(weights)}")
-    if x2.data_ptr() % 16 or any(w.pairs.data_ptr() % 16 for w in weights):
+    if not (facts.aligned(x2, 16) and all(facts.aligned(w.pairs, 16) for w in weights)):
         raise QuantizationError("the CUDA kernel needs x and the packed weight 16-byte "
                                 "aligned (a view that starts mid-vector)")
     if m > SHARED_X_ABOVE and k_warps not in (None, 1):
         raise QuantizationError(f"above {SHARED_X_ABOVE} rows the CUDA kernel's warps share "
                                 f"x and one K range: k_warps must be 1, got {k_warps}")
-    width = sum(w.n for w in weights)
-    auto = launch_shape(m, [w.n for w in weights], k,
-                        torch.cuda.get_device_properties(x2.device).multi_processor_count,
+    if not available(x2.device):
+        raise QuantizationError(f"the CUDA kernel cannot run on {x2.device}: "
+                                f"{unavailable_reason(x2.device)}")
+    auto = launch_shape(m, [w.n for w in weights], k, facts.num_sms(x2.device),
                         0 if lora_a is None else lora_a[0].shape[0])
-    splits = splits or auto[0]
-    k_warps = k_warps or auto[1]
-    out = torch.empty((splits, m, width), dtype=torch.float32 if splits > 1 else x2.dtype,
-                      device=x2.device)
-    xa = None
-    if lora_a is not None:
-        xa = torch.empty((splits, m, len(lora_a) * lora_a[0].shape[0]), dtype=torch.float32,
-                         device=x2.device)
-    arch = cuda_build.arch_of(x2.device)
-    _library(arch)
-    lib = cuda_build.loaded(SOURCE, arch, cuda_build.index_of(x2.device))
-    stream = torch.cuda.current_stream(x2.device).cuda_stream
-    c, count = ctypes, len(weights)
-
-    def ptrs(tensors):
-        return (c.c_void_p * count)(*[None if t is None else t.data_ptr() for t in tensors])
-
-    error = lib.qerl_nvfp4_gemv(
-        int(x2.dtype == torch.bfloat16), x2.data_ptr(), x2.stride(0), count,
-        ptrs([w.pairs for w in weights]),
-        (c.c_longlong * count)(*[w.pairs.stride(0) for w in weights]),
-        ptrs([w.scale for w in weights]),
-        (c.c_longlong * count)(*[w.scale.stride(0) for w in weights]),
-        ptrs([w.global_scale for w in weights]), ptrs([w.bias for w in weights]),
-        (c.c_int * count)(*[w.n for w in weights]), out.data_ptr(), int(splits > 1),
-        out.stride(0), out.stride(1), m, k, splits, k_warps,
-        None if lora_a is None else ptrs(lora_a), 0 if lora_a is None else lora_a[0].shape[0],
-        None if xa is None else xa.data_ptr(), 0 if xa is None else xa.stride(0),
-        0 if xa is None else xa.stride(1), cuda_build.index_of(x2.device), stream)
-    if error:
-        raise QuantizationError(f"the CUDA NVFP4 kernel failed to launch: "
-                                f"{cuda_build.error_text(SOURCE, arch, error)}")
-    return out, xa
+    out, xa = torch.ops.qerl.nvfp4_gemv(
+        x2, [w.pairs for w in weights], [w.scale for w in weights],
+        [w.global_scale for w in weights], [w.bias for w in weights], splits or auto[0],
+        k_warps or auto[1], lora_a or [])
+    return out, None if lora_a is None else xa

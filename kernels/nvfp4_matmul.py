@@ -33,9 +33,7 @@ the wrapper) until the grid fills the GPU (``launch_config``).
 
 from __future__ import annotations
 
-import functools
 import itertools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +43,7 @@ import triton.language as tl
 from qerl.errors import QuantizationError
 from qerl.formats import nvfp4
 from qerl.kernels import compute_capability, crossovers
+from qerl.kernels import device_facts as facts
 from qerl.kernels import nvfp4_gemm as gemm
 from qerl.kernels import nvfp4_gemv as gemv
 from qerl.kernels import nvfp4_layout as layout
@@ -349,11 +348,6 @@ FORWARD_PATHS = ("cuda", "gemm", "triton", "dequant")
 GRAD_INPUT_PATHS = ("triton", "dequant")
 
 
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _check(a: torch.Tensor, pairs, scale, global_scale, what: str) -> tuple[int, int]:
     """Validate the weight, then the activations ``a`` (``x``, last dim K, or ``dy``, last
     dim N); return the weight's (N, K)."""
@@ -367,19 +361,12 @@ def _check(a: torch.Tensor, pairs, scale, global_scale, what: str) -> tuple[int,
     devices = {t.device for t in (a, pairs, scale, global_scale)}
     if len(devices) != 1:
         raise QuantizationError(f"{what} and the weight are on different devices: {devices}")
-    if a.device.type != "cuda" and not interpreting():
+    if a.device.type != "cuda" and not facts.interpreting():
         raise QuantizationError(
             f"the Triton kernels need CUDA tensors (got {a.device}); on CPU use the torch "
             "reference (qerl.nn.NVFP4Linear picks it by itself)"
         )
     return n, k
-
-
-def num_sms(device: torch.device) -> int:
-    """SMs of a CUDA device; 4 elsewhere (the interpreter), to size grids alike."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @dataclass(frozen=True)
@@ -418,7 +405,7 @@ def launch_config(op: str, m: int, n: int, k: int, num_sms: int) -> LaunchConfig
 
 
 def _kernel_flags(dtype: torch.dtype, device: torch.device) -> dict:
-    asm = not interpreting()
+    asm = not facts.interpreting()
     pre, post = SCALE_FACTORS[dtype] if asm else (1.0, 1.0)
     return {"ASM": asm, "BF16": dtype == torch.bfloat16, "PRE": pre, "POST": post,
             "FP8": compute_capability.converts_fp8(device)}
@@ -436,11 +423,6 @@ def cuda_runs(x2: torch.Tensor) -> bool:
     return x2.shape[0] <= gemv.MAX_M and x2.is_cuda and gemv.available(x2.device)
 
 
-@functools.cache
-def _card(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device)
-
-
 def gemm_runs(x2: torch.Tensor, scale: torch.Tensor, pairs: torch.Tensor) -> bool:
     """Whether the Hopper GEMM can multiply the rows x2 by this weight here."""
     k = scale.shape[1] * nvfp4.GROUP_SIZE
@@ -455,7 +437,7 @@ def forward_path(x2: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor) -> 
     if m <= FUSED_MAX_M:
         return "triton"
     n, k = scale.shape[0], scale.shape[1] * nvfp4.GROUP_SIZE
-    if gemm_runs(x2, scale, pairs) and m <= crossovers.gemm_max_m(_card(x2.device), n, k):
+    if gemm_runs(x2, scale, pairs) and m <= crossovers.gemm_max_m(facts.card(x2.device), n, k):
         return "gemm"
     return "dequant"
 
@@ -484,7 +466,7 @@ def _checked_path(path: str | None, auto, a2: torch.Tensor, scale: torch.Tensor,
 def _fused(op: str, a2, n: int, k: int, pairs, scale, global_scale, bias=None):
     """The Triton kernel's split-K partial sums [S, M, cols] of op (fwd | bwd)."""
     m = a2.shape[0]
-    cfg = launch_config(op, m, n, k, num_sms(a2.device))
+    cfg = launch_config(op, m, n, k, facts.num_sms(a2.device))
     cols = n if op == "fwd" else k
     out_dtype = torch.float32 if cfg.split_k > 1 else a2.dtype
     out = torch.empty((cfg.split_k, m, cols), dtype=out_dtype, device=a2.device)
@@ -602,7 +584,7 @@ def nvfp4_linear_grouped(x2: torch.Tensor, weights: list[tuple]) -> list[torch.T
     ns = [n for n, _ in shapes]
     if not (m > FUSED_MAX_M and gemm.groups(ns) and x2.stride(-1) == 1
             and all(gemm_runs(x2, w[1], w[0]) for w in weights)
-            and m <= crossovers.gemm_max_m(_card(x2.device), sum(ns), k)):
+            and m <= crossovers.gemm_max_m(facts.card(x2.device), sum(ns), k)):
         return None
     return _columns(gemm.linear_group(x2, weights, k), shapes)
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qerl.kernels.nvfp4_matmul import num_sms
+from qerl.kernels.device_facts import num_sms
 
 BLOCK = 1024
 MAX_SLICES = 128

@@ -32,7 +32,7 @@ from qerl.config import LoraSettings
 from qerl.errors import ArchitectureError, QerlError
 from qerl.formats import nvfp4
 from qerl.formats.nvfp4_checkpoint import FORMAT, NVFP4Checkpoint, load_checkpoint, read_json
-from qerl.kernels.nvfp4_matmul import interpreting
+from qerl.kernels.device_facts import interpreting
 from qerl.methods import METHODS
 from qerl.nn import NVFP4Linear
 from qerl.nn.nvfp4_lora import register_lora_layers

@@ -25,12 +25,14 @@ def layer_shapes(arch: str) -> dict[str, tuple[int, int]]:
 
 
 def sweep_arguments(prog: str, doc: str, models, layers, m_values,
-                    argv: list[str] | None) -> argparse.Namespace:
+                    argv: list[str] | None, more=None) -> argparse.Namespace:
     """The options of ``qerl bench PROG``, a sweep over models' layers and M (--out-dir,
-    --models, --layers: None for every layer, --m as a list of ints), parsed; refuses a
-    machine without a GPU."""
+    --models, --layers: None for every layer, --m as a list of ints), and those ``more``
+    adds to the parser, parsed; refuses a machine without a GPU."""
     parser = argparse.ArgumentParser(prog=f"qerl bench {prog}", description=doc,
                                      formatter_class=HelpFormatter)
+    if more is not None:
+        more(parser)
     parser.add_argument("--out-dir", type=Path, default=Path("results/bench"))
     parser.add_argument("--models", default=",".join(models))
     parser.add_argument("--layers", default=",".join(layers) if layers else None,

@@ -131,6 +131,9 @@ BENCHMARKS = (
               setting=("prompts", "generations", "completion", "micro_batch", "lora_rank"),
               metrics=("weights", "lora", "kv_cache", "checkpointed", "layer", "logprob",
                        "total", "measured_peak_gb")),
+    # The CPU's time to issue one NVFP4Linear forward, beside a baseline qerl's (--baseline).
+    Benchmark("host_time", ("bench/**/host_time_*.csv",), "host-time", "qerl.bench.host_time",
+              method="code", setting=("layer", "M"), metrics=("host_us", "host_vs_baseline")),
     # RL steps fitted to memory budgets, torch capped to each, and on the whole card: the
     # rows of fits.md, which model fits which card.
     Benchmark("budget", ("bench/**/budget_*.csv",), "budget", "qerl.bench.capped_step",

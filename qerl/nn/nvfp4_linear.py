@@ -10,12 +10,13 @@ from torch.nn import functional as F
 
 from qerl.formats import nvfp4
 from qerl.formats.nvfp4_checkpoint import NVFP4Checkpoint
+from qerl.kernels import device_facts as facts
 from qerl.kernels import nvfp4_layout as layout
 from qerl.kernels import nvfp4_matmul as kernels
 
 
 def _use_kernels(x: torch.Tensor) -> bool:
-    return x.is_cuda or kernels.interpreting()
+    return x.is_cuda or facts.interpreting()
 
 
 class NVFP4LinearFunction(torch.autograd.Function):

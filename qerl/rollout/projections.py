@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from qerl.kernels import lora_decode, nvfp4_gemv
-from qerl.kernels.nvfp4_matmul import interpreting
+from qerl.kernels.device_facts import interpreting
 from qerl.nn import nvfp4_linear
 from qerl.nn.nvfp4_linear import NVFP4Linear, grouped_partial_sums
 

@@ -12,16 +12,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from qerl.errors import QuantizationError
 from qerl.formats import nvfp4
 from qerl.kernels import compute_capability as cc
-from qerl.kernels import cuda_build
-from qerl.kernels import nvfp4_gemm as gemm
 from qerl.kernels import nvfp4_gemv as gemv
 from qerl.kernels import nvfp4_layout as layout
 from qerl.kernels import nvfp4_matmul as km
 from tests.conftest import fresh_seed
 from tests.kernels.conftest import device
 from tests.kernels.test_nvfp4_matmul import make, needs_kernels, rel_err
-
-H100 = "NVIDIA H100 80GB HBM3"
 
 
 @pytest.mark.parametrize(("value", "arch"), [("sm_89", 89), ("89", 89), ("8.0", 80),
@@ -43,22 +39,6 @@ def test_a_bad_or_newer_architecture_is_refused_by_name(monkeypatch):
     with pytest.raises(QuantizationError, match="sm_100 names a newer architecture than "
                                                 "cuda:0's sm_90"):
         cc.chosen_for(torch.device("cuda", 0))
-
-
-@pytest.fixture
-def hopper(monkeypatch):
-    """An H100's facts without one: compute capability 9.0, its name (the GEMM's
-    crossovers), every CUDA kernel building (none is built). The availability caches are
-    cleared around the test."""
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(cuda_build, "build_failure", lambda load: None)
-    monkeypatch.setattr(km, "_card", lambda device: H100)
-    caches = (gemv._unavailable, gemm._unavailable)
-    for cache in caches:
-        cache.cache_clear()
-    yield
-    for cache in caches:
-        cache.cache_clear()
 
 
 @pytest.mark.parametrize(("arch", "decode", "prefill", "fp8"), [
@@ -129,8 +109,6 @@ def test_an_older_cards_paths_at_real_shapes_on_a_gpu(monkeypatch, arch, m, n, k
     kernel) up to 32 rows, the dequantize kernel and cuBLAS beyond; the fused Triton
     kernels for the input gradient and where named; every one against float64."""
     monkeypatch.setenv(cc.VARIABLE, arch)
-    gemv._unavailable.cache_clear()
-    gemm._unavailable.cache_clear()
     seed = fresh_seed()
     q, w4, x, bias, dy = make(n, k, (m,), dtype, seed, "cuda")
     w = nvfp4.dequantize(q, torch.float64)
@@ -143,5 +121,3 @@ def test_an_older_cards_paths_at_real_shapes_on_a_gpu(monkeypatch, arch, m, n, k
         assert rel_err(y, x.double() @ w.T + bias.double()) < tol, f"{named}, seed {seed}"
         dx = km.nvfp4_linear_grad_input(dy, *w4, path=named)
         assert rel_err(dx, dy.double() @ w) < tol, f"{named}, seed {seed}"
-    gemv._unavailable.cache_clear()
-    gemm._unavailable.cache_clear()

@@ -4,9 +4,11 @@ architecture, with a clear error where nvcc is missing."""
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 
 import pytest
+import torch
 
 from qerl.errors import QuantizationError
 from qerl.kernels import cuda_build, nvfp4_gemm, nvfp4_gemv
@@ -64,26 +66,18 @@ def test_nvcc_is_found_on_cuda_home(monkeypatch, tmp_path):
     assert cuda_build.nvcc() == shutil.which("nvcc")
 
 
-C_TYPES = {"int": ctypes.c_int, "long long": ctypes.c_longlong}
-
-
-def c_parameters(source, function: str) -> list[str]:
-    """The parameter types of ``function``'s definition in a .cu file, as written."""
-    text = source.read_text()
-    start = text.index(f"int {function}(") + len(f"int {function}(")
-    return [" ".join(p.split()[:-1]) for p in text[start:text.index(")", start)].split(",")]
-
-
-@pytest.mark.parametrize(("module", "function"), [(nvfp4_gemm, "qerl_nvfp4_gemm"),
-                                                  (nvfp4_gemv, "qerl_nvfp4_gemv")])
-def test_the_ctypes_signatures_are_the_kernels(module, function):
-    """Each parameter as ctypes passes it, read against the C definition: an argument too
-    many for ARGTYPES goes through as a C int, and a 64-bit stream handle cut to 32 bits
-    crashed the process (a GEMM branch that added a parameter)."""
-    params = c_parameters(module.SOURCE, function)
-    assert len(params) == len(module.ARGTYPES), params
-    for written, given in zip(params, module.ARGTYPES, strict=True):
-        if "*" in written:
-            assert given is ctypes.c_void_p or issubclass(given, ctypes._Pointer), written
-        else:
-            assert given is C_TYPES[written], written
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests open the libraries")
+@pytest.mark.parametrize(("module", "arch"), [(nvfp4_gemv, "90"),
+                                              (nvfp4_gemm, nvfp4_gemm.ARCHS["90"])])
+def test_a_library_registers_its_operator_against_the_schema(module, arch):
+    """Opening a built library registers its operator's CUDA implementation, which the
+    dispatcher checks against the schema the module defined: a C++ signature that drifts
+    from it fails here, on the CPU (opened lazily: torch has no CUDA here)."""
+    if cuda_build.nvcc() is None:
+        missing("nvcc", "not on PATH (the CUDA image and CI have it)")
+    ctypes.CDLL(str(cuda_build.build(module.SOURCE, arch)), mode=os.RTLD_LAZY)
+    name = f"qerl::{module.SOURCE.stem}"
+    table = torch._C._dispatch_dump_table(name)
+    assert "CUDA: registered at" in table and module.SOURCE.name in table, table
+    assert "Meta: registered" in table, table  # the fake implementation

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qerl.kernels import decode_attention as da
-from qerl.kernels.nvfp4_matmul import interpreting
+from qerl.kernels.device_facts import interpreting
 from tests.conftest import fresh_seed
 from tests.kernels.conftest import device
 

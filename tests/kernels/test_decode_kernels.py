@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qerl.kernels import lora_decode, rmsnorm, rotary_cache
-from qerl.kernels.nvfp4_matmul import interpreting
+from qerl.kernels.device_facts import interpreting
 from tests.conftest import fresh_seed
 from tests.kernels.conftest import device
 

@@ -12,6 +12,7 @@ import torch
 from qerl.errors import QuantizationError
 from qerl.formats import nvfp4
 from qerl.kernels import crossovers
+from qerl.kernels import device_facts as facts
 from qerl.kernels import nvfp4_gemm as gemm
 from qerl.kernels import nvfp4_layout as layout
 from qerl.kernels import nvfp4_matmul as km
@@ -51,7 +52,7 @@ def test_gemm_tiles_are_the_ordered_columns_in_swizzled_row_tiles():
         layout.gemm_tiles(x, quads, 8)
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() or km.interpreting()),
+@pytest.mark.skipif(not (torch.cuda.is_available() or facts.interpreting()),
                     reason="no GPU and no interpreter")
 @pytest.mark.parametrize(("m", "k", "rows"), [(1, 128, 64), (5, 384, 64), (33, 200, 128),
                                               (17, 130, 192)])
@@ -102,7 +103,7 @@ def test_unavailable_off_cuda_and_named_when_forced():
     assert "not a CUDA device" in gemm.unavailable_reason(torch.device("cpu"))
     q = nvfp4.quantize(torch.randn(32, 128) * 0.05)
     x = torch.randn(40, 128).to(torch.bfloat16)
-    if km.interpreting():
+    if facts.interpreting():
         with pytest.raises(QuantizationError, match="Hopper NVFP4 GEMM cannot run here"):
             km.nvfp4_linear(x, layout.to_pairs(q.packed), q.scale, q.global_scale,
                             path="gemm")
@@ -167,7 +168,7 @@ def test_weights_share_a_launch_when_every_one_but_the_last_fills_whole_tiles():
     w = (layout.to_pairs(q.packed), q.scale, q.global_scale, None)
     with pytest.raises(QuantizationError, match="multiple of 128 rows; got \\[200, 200\\]"):
         gemm.linear_group(torch.zeros(40, 128, dtype=torch.bfloat16), [w, w], 128)
-    if km.interpreting():  # (elsewhere the kernels refuse CPU tensors)
+    if facts.interpreting():  # (elsewhere the kernels refuse CPU tensors)
         assert km.nvfp4_linear_grouped(torch.zeros(40, 128, dtype=torch.bfloat16), [w]) is None
 
 

@@ -8,6 +8,7 @@ import torch
 
 from qerl.errors import QuantizationError
 from qerl.formats import nvfp4
+from qerl.kernels import device_facts as facts
 from qerl.kernels import nvfp4_layout as layout
 from qerl.kernels import nvfp4_matmul as km
 from tests.conftest import fresh_seed
@@ -15,7 +16,7 @@ from tests.kernels.conftest import device
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_kernels = pytest.mark.skipif(
-    not (torch.cuda.is_available() or km.interpreting()), reason="no GPU and no interpreter")
+    not (torch.cuda.is_available() or facts.interpreting()), reason="no GPU and no interpreter")
 
 
 def make(n: int, k: int, m_shape: tuple, dtype, seed: int, dev: str):
@@ -145,7 +146,7 @@ def test_paths_are_chosen_by_m_and_bad_names_refused():
         km.nvfp4_linear(x, *w4, path="cuda")  # 40 rows
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or km.interpreting(),
+@pytest.mark.skipif(torch.cuda.is_available() or facts.interpreting(),
                     reason="checks a CPU-only machine without the interpreter")
 def test_cpu_tensors_without_interpreter_point_to_the_reference():
     _, w4, x, _, _ = make(32, 64, (4,), torch.bfloat16, 0, "cpu")

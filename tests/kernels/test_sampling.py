@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from qerl.kernels import sampling
-from qerl.kernels.nvfp4_matmul import interpreting
+from qerl.kernels.device_facts import interpreting
 from tests.conftest import fresh_seed
 from tests.kernels.conftest import device
 

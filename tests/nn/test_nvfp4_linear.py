@@ -9,12 +9,12 @@ from torch import nn
 
 from qerl.formats import nvfp4
 from qerl.formats.nvfp4_checkpoint import load_checkpoint
-from qerl.kernels import nvfp4_matmul as km
+from qerl.kernels import device_facts as facts
 from qerl.nn import NVFP4Linear, nvfp4_linear
 from tests.conftest import fresh_seed, spec_weight
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() or km.interpreting()),
+@pytest.mark.skipif(not (torch.cuda.is_available() or facts.interpreting()),
                     reason="no GPU and no Triton interpreter")
 def test_kernel_and_reference_paths_agree_forward_and_backward(monkeypatch):
     seed = fresh_seed()

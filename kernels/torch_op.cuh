@@ -1,0 +1,62 @@
+// What the kernels' PyTorch operators share: their members' fields as the arrays the
+// launchers take, torch's current stream, and a failed launch as a Python error. The
+// schemas and fake implementations are defined in Python (nvfp4_gemv.py, nvfp4_gemm.py),
+// so torch.compile and fake tensors see the operators on any machine; a library built from
+// a .cu file registers their CUDA implementations when it is loaded.
+
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/List.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/Stream.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+namespace qerl {
+
+inline std::vector<const void*> pointers(at::TensorList tensors) {
+  std::vector<const void*> out;
+  for (const at::Tensor& t : tensors) out.push_back(t.data_ptr());
+  return out;
+}
+
+// An absent optional tensor (no bias) is a null pointer.
+inline std::vector<const void*> pointers(const c10::List<std::optional<at::Tensor>>& tensors) {
+  std::vector<const void*> out;
+  for (const std::optional<at::Tensor>& t : tensors) {
+    out.push_back(t.has_value() ? t->data_ptr() : nullptr);
+  }
+  return out;
+}
+
+inline std::vector<long long> row_strides(at::TensorList tensors) {
+  std::vector<long long> out;
+  for (const at::Tensor& t : tensors) out.push_back(t.stride(0));
+  return out;
+}
+
+inline std::vector<int> rows(at::TensorList tensors) {
+  std::vector<int> out;
+  for (const at::Tensor& t : tensors) out.push_back(static_cast<int>(t.size(0)));
+  return out;
+}
+
+// torch's current stream on the tensor's device: a launch is ordered, and captured in a
+// CUDA graph, like torch's own kernels. Asked through c10's device-generic interface, so
+// the library needs none of torch's CUDA headers or libraries.
+inline cudaStream_t stream_of(const at::Tensor& t) {
+  const c10::impl::VirtualGuardImpl guard(t.device().type());
+  return static_cast<cudaStream_t>(guard.getStream(t.device()).native_handle());
+}
+
+inline void check_launch(int error, const char* kernel) {
+  TORCH_CHECK(error == cudaSuccess, kernel, " failed to launch: ",
+              cudaGetErrorString(static_cast<cudaError_t>(error)));
+}
+
+}  // namespace qerl
