@@ -2,7 +2,7 @@
 // x[M, K] @ deq(W[N, K])^T, for M <= 32 (rollout decode steps), for up to three weights
 // that read the same x side by side in N, and optionally the LoRA shrink of their fp32
 // adapters (shrink_row) in the same launch. Built and loaded by nvfp4_gemv.py; the layout
-// and the decode are the Triton kernels' (nvfp4_layout.py, nvfp4_matmul.py), so both read
+// and the decode are the Triton kernels' (nvfp4_layout.py, nvfp4_triton.py), so both read
 // the same packed weight.
 //
 // Why by hand: Triton stages W through shared memory and moves it into mma operand

@@ -6,7 +6,7 @@ current stream, so it is captured in CUDA graphs like any kernel.
 
 Rollouts decode a handful of tokens at a time: there the matmul reads the 4-bit weight
 once and does little else, so its speed is the speed of the weight read and the decode.
-The Triton kernel (nvfp4_matmul.py) moves W through shared memory into operand registers,
+The Triton kernel (nvfp4_triton.py) moves W through shared memory into operand registers,
 and those instructions, not the bytes, bound it; this one loads each thread's tensor-core
 fragments straight into registers (kernels/DESIGN.md, "nvfp4_gemv").
 

@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from qerl.kernels import compute_capability
-from qerl.kernels import nvfp4_matmul as km
+from qerl.kernels import nvfp4_triton as fused_kernels
 
 POINTERS = {"fwd": ("x_ptr", "words_ptr", "scale_ptr", "global_scale_ptr", "bias_ptr",
                     "out_ptr"),
@@ -38,9 +38,9 @@ SCALARS = {"fwd": ("M", "N", "K", "stride_xm", "stride_pt", "stride_sn", "stride
            "bwd": ("M", "N", "K", "stride_dym", "stride_pt", "stride_sn", "stride_os",
                    "stride_om"),
            "dequant": ("N", "K", "stride_pt", "stride_sn", "stride_on")}
-KERNELS = {"fwd": km.nvfp4_fwd_kernel, "bwd": km.nvfp4_bwd_kernel,
-           "dequant": km.nvfp4_dequant_kernel}
-# nvfp4_matmul.dequantize's launch (its tile is no LaunchConfig).
+KERNELS = {"fwd": fused_kernels.nvfp4_fwd_kernel, "bwd": fused_kernels.nvfp4_bwd_kernel,
+           "dequant": fused_kernels.nvfp4_dequant_kernel}
+# nvfp4_triton.dequantize's launch (its tile is no LaunchConfig).
 DEQUANT_TILE = {"BLOCK_N": 32, "PAIRS": 8}
 
 
@@ -53,9 +53,10 @@ def _sass(cubin: bytes) -> str:
                               text=True, check=True).stdout
 
 
-def compile_config(op: str, cfg: km.LaunchConfig | None, dtype: str, arch: int = 90) -> dict:
+def compile_config(op: str, cfg: fused_kernels.LaunchConfig | None, dtype: str,
+                   arch: int = 90) -> dict:
     """Compile ``op``'s kernel (fwd, bwd: launched as ``cfg``; dequant: as
-    nvfp4_matmul.dequantize launches it) for ``dtype`` activations on ``arch``."""
+    nvfp4_triton.dequantize launches it) for ``dtype`` activations on ``arch``."""
     kernel = KERNELS[op]
     fp8 = arch >= compute_capability.FP8_CONVERSION_FROM
     if op == "dequant":
@@ -89,13 +90,13 @@ def compile_config(op: str, cfg: km.LaunchConfig | None, dtype: str, arch: int =
             "mma": len(re.findall(r"\bH[G]?MMA\b", sass))}
 
 
-def all_configs() -> set[tuple[str, km.LaunchConfig]]:
+def all_configs() -> set[tuple[str, fused_kernels.LaunchConfig]]:
     configs = set()
     for op in ("fwd", "bwd"):
         for m in (1, 17, 32, 64):  # 64: a path named beyond the crossover
             # One split-K and one unsplit config per tile shape.
             for n, k in ((37888, 3584), (3584, 18944)):
-                configs.add((op, km.launch_config(op, m, n, k, num_sms=132)))
+                configs.add((op, fused_kernels.launch_config(op, m, n, k, num_sms=132)))
     return configs
 
 

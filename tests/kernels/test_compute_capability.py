@@ -15,6 +15,7 @@ from qerl.kernels import compute_capability as cc
 from qerl.kernels import nvfp4_gemv as gemv
 from qerl.kernels import nvfp4_layout as layout
 from qerl.kernels import nvfp4_matmul as km
+from qerl.kernels import nvfp4_triton as fused_kernels
 from tests.conftest import fresh_seed
 from tests.kernels.conftest import device
 from tests.kernels.test_nvfp4_matmul import make, needs_kernels, rel_err
@@ -83,7 +84,7 @@ def test_the_scales_read_from_their_bits_equal_the_fp8_conversion(monkeypatch, a
     seed = fresh_seed()
     q, w4 = weight_with_every_scale(48, 256, seed)
     w4 = tuple(t.to(device()) for t in w4)
-    assert torch.equal(km.dequantize(*w4, torch.float32).cpu(),
+    assert torch.equal(fused_kernels.dequantize(*w4, torch.float32).cpu(),
                        nvfp4.dequantize(q, torch.float32)), f"seed {seed}"
     w = nvfp4.dequantize(q, torch.float64).to(device())
     gen = torch.Generator().manual_seed(seed)
