@@ -71,7 +71,8 @@ def measure(grid: list, m_values: list[int]) -> list[dict]:
 def baseline_rows(site: str, grid: list, m_values: list[int]) -> list[dict]:
     """``measure`` under the qerl in ``site``: this file run by path in a subprocess whose
     qerl is that one (its rows as JSON on the last line of its output)."""
-    env = {**os.environ, "PYTHONPATH": site}
+    # Its qerl first; what else it imports (compressed-tensors, ...) from our path.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, os.environ.get("PYTHONPATH", "")])}
     code = ("import runpy, sys; sys.argv = sys.argv[1:]; "
             "runpy.run_path(sys.argv[0], run_name='__main__')")
     done = subprocess.run([sys.executable, "-c", code, __file__, json.dumps([grid, m_values])],
