@@ -105,9 +105,16 @@ def unavailable_reason(device: torch.device, source: Path,
     registered and its kernels loaded on the device): not a CUDA device; else ``why_not``
     of its architecture, or a failed build, and the same of the older one the kernels are
     chosen for where QERL_KERNEL_ARCH names one (compute_capability: that card's choice,
-    made here, built but not loaded: a process registers one library's operators)."""
+    made here, built but not loaded: a process registers one library's operators).
+    Answered once per device and QERL_KERNEL_ARCH: every launch asks."""
     if device.type != "cuda":
         return f"{device} is not a CUDA device"
+    return _unavailable(device, source, why_not, os.environ.get(compute_capability.VARIABLE))
+
+
+@functools.cache
+def _unavailable(device: torch.device, source: Path, why_not: Callable[[str], str | None],
+                 named: str | None) -> str | None:
     own, chosen = arch_of(device), compute_capability.chosen_for(device)
     for arch in dict.fromkeys((own, chosen)):
         reason = why_not(arch) or _failure(source, target(source, arch), arch == own)

@@ -58,10 +58,18 @@ def _gemm_tiles_kernel(x_ptr, out_ptr, ready_ptr, M, K, ROWS, stride_xm, READY,
     tl.store(out_ptr + at, v, mask=rows[:, None] < ROWS)
 
 
-@torch.library.triton_op("qerl::gemm_tiles", mutates_args={"ready"})
 def gemm_tiles(x2: torch.Tensor, quads: int, rows: int, ready: torch.Tensor) -> torch.Tensor:
     """nvfp4_layout.gemm_tiles in one kernel: x2 [M, K] -> [quads, 2, rows, 64]; zeroes the
-    int32 tensor ``ready`` on the way. An operator, so torch.compile holds the launch."""
+    int32 tensor ``ready`` on the way. Traced by torch.compile as the operator
+    ``qerl::gemm_tiles``; eagerly Triton's own launch, without an operator's dispatch,
+    which would add host time to every prefill GEMM."""
+    if torch.compiler.is_compiling():
+        return torch.ops.qerl.gemm_tiles(x2, quads, rows, ready)
+    return _launch_gemm_tiles(x2, quads, rows, ready)
+
+
+def _launch_gemm_tiles(x2: torch.Tensor, quads: int, rows: int, ready: torch.Tensor
+                       ) -> torch.Tensor:
     m, k = x2.shape
     out = torch.empty((quads, 2, rows, layout.GEMM_TILE_COLUMNS), dtype=x2.dtype,
                       device=x2.device)
@@ -72,6 +80,7 @@ def gemm_tiles(x2: torch.Tensor, quads: int, rows: int, ready: torch.Tensor) -> 
     return out
 
 
+torch.library.triton_op("qerl::gemm_tiles", _launch_gemm_tiles, mutates_args={"ready"})
 torch.library.define(
     "qerl::nvfp4_gemm",
     "(Tensor x, Tensor(a!) ready, Tensor[] pairs, Tensor[] scale, Tensor[] global_scale, "

@@ -31,13 +31,14 @@ MODELS = ("qwen2.5-7b",)
 LAYERS = ("qkv", "o", "gate_up", "down")
 M_VALUES = (8, 32, 2048)  # decode rows (the CUDA kernel) and a prefill's (the Hopper GEMM)
 CALLS = 100  # forwards issued per sample: their launches stay well inside the launch queue
-SAMPLES = 7
+SAMPLES = 11
 BUSY_CYCLES = 200_000_000  # the GPU spins this long (~0.1 s) under each sample's calls
 
 
 def host_us(layer: torch.nn.Module, x: torch.Tensor) -> float:
-    """Median over SAMPLES of the host time per forward, CALLS forwards issued while the
-    GPU is still spinning (torch.cuda._sleep), so the time is the CPU's alone."""
+    """The least over SAMPLES of the host time per forward, CALLS forwards issued while the
+    GPU is still spinning (torch.cuda._sleep), so the time is the CPU's alone. The least:
+    what else the machine does only ever adds to a sample."""
     samples = []
     with torch.no_grad():
         layer(x)  # builds, loads and compiles whatever the path needs
@@ -49,7 +50,7 @@ def host_us(layer: torch.nn.Module, x: torch.Tensor) -> float:
                 layer(x)
             samples.append((time.perf_counter() - start) / CALLS * 1e6)
     torch.cuda.synchronize()
-    return sorted(samples)[SAMPLES // 2]
+    return min(samples)
 
 
 def measure(grid: list, m_values: list[int]) -> list[dict]:

@@ -39,5 +39,9 @@ def stand_in_hopper(set_attribute) -> None:
 
 @pytest.fixture
 def hopper(monkeypatch):
-    """An H100's facts for the test (stand_in_hopper)."""
+    """An H100's facts for the test (stand_in_hopper), the kernels' availability asked
+    afresh before and after it."""
+    cuda_build._unavailable.cache_clear()
     stand_in_hopper(monkeypatch.setattr)
+    yield
+    cuda_build._unavailable.cache_clear()
