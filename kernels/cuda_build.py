@@ -78,14 +78,16 @@ def build(source: Path, arch: str, out_dir: Path | None = None) -> Path:
 
 def torch_flags() -> list[str]:
     """Compile against the running torch's headers and link its libraries (the kernels are
-    its operators, torch_op.cuh), with its C++ ABI. The libraries are found where torch is,
-    as they are when it is imported."""
+    its operators, torch_op.cuh), with its C++ ABI; c10's CUDA library too where torch has
+    one (torch's current stream). The libraries are found where torch is, as they are when
+    it is imported."""
     from torch.utils import cpp_extension
 
-    libs = cpp_extension.library_paths()[0]
+    libs = Path(cpp_extension.library_paths()[0])
+    linked = [lib for lib in ("c10", "torch_cpu", "c10_cuda") if (libs / f"lib{lib}.so").exists()]
     return [*(f"-I{path}" for path in cpp_extension.include_paths()),
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-            f"-L{libs}", "-lc10", "-ltorch_cpu", f"-Xlinker=-rpath={libs}"]
+            f"-L{libs}", *(f"-l{lib}" for lib in linked), f"-Xlinker=-rpath={libs}"]
 
 
 def arch_of(device: torch.device) -> str:

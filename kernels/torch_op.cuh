@@ -9,13 +9,18 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/List.h>
 #include <ATen/ops/empty.h>
-#include <c10/core/Stream.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
 #include <optional>
 #include <vector>
+
+// A torch built with CUDA has c10's CUDA headers (and library); one without builds these
+// libraries only to be tested on the CPU, and never hands their operators a CUDA tensor.
+#if __has_include(<c10/cuda/impl/cuda_cmake_macros.h>)
+#include <c10/cuda/CUDAStream.h>
+#define QERL_TORCH_HAS_CUDA 1
+#endif
 
 namespace qerl {
 
@@ -47,11 +52,14 @@ inline std::vector<int> rows(at::TensorList tensors) {
 }
 
 // torch's current stream on the tensor's device: a launch is ordered, and captured in a
-// CUDA graph, like torch's own kernels. Asked through c10's device-generic interface, so
-// the library needs none of torch's CUDA headers or libraries.
+// CUDA graph, like torch's own kernels.
 inline cudaStream_t stream_of(const at::Tensor& t) {
-  const c10::impl::VirtualGuardImpl guard(t.device().type());
-  return static_cast<cudaStream_t>(guard.getStream(t.device()).native_handle());
+#ifdef QERL_TORCH_HAS_CUDA
+  return c10::cuda::getCurrentCUDAStream(t.get_device()).stream();
+#else
+  TORCH_CHECK(false, "this torch was built without CUDA: no CUDA tensor reaches qerl's kernels");
+  return nullptr;
+#endif
 }
 
 inline void check_launch(int error, const char* kernel) {
