@@ -26,7 +26,6 @@ from qerl.kernels import nvfp4_layout as layout
 SOURCE = Path(__file__).with_name("nvfp4_gemm.cu")
 ARCHS = cuda_build.SOURCES[SOURCE.name]  # device architecture -> what the kernel is built for
 ROWS = 128  # weight rows a block multiplies
-THREADS = 256  # the consumer threads, a partial-sum slot each (the producer holds none)
 # The fewest (tile, quad) units a block takes: below, a block's pipeline fill and its
 # partial cost more than the SM it fills gains.
 MIN_UNITS = 8

@@ -139,20 +139,13 @@ def nvfp4_linear(x: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
     return _reduced(partials, x.dtype).reshape(*x.shape[:-1], n)
 
 
-def nvfp4_linear_partials(x2: torch.Tensor, pairs: torch.Tensor, scale: torch.Tensor,
-                          global_scale: torch.Tensor, bias: torch.Tensor | None = None
-                          ) -> torch.Tensor:
-    """x2 [M, K] with M <= FUSED_MAX_M -> the fused kernel's split-K partial sums
-    [S, M, N] (fp32; with S = 1, the result itself in x's dtype), for a consumer that adds
-    them up anyway and so saves the reduction's launch. Summed over S and rounded to x's
-    dtype they are ``nvfp4_linear``'s result."""
-    return nvfp4_linear_grouped_partials(x2, [(pairs, scale, global_scale, bias)])[0]
-
-
 def nvfp4_linear_grouped_partials(x2: torch.Tensor, weights: list[tuple]) -> list[torch.Tensor]:
-    """``nvfp4_linear_partials`` of several weights (pairs, scale, global_scale, bias) that
-    read the same x2: in one launch where the CUDA kernel runs (up to three weights, the
-    results column views of one buffer), else one launch each."""
+    """x2 [M, K] with M <= FUSED_MAX_M by weights (pairs, scale, global_scale, bias) that
+    read the same x2 -> each one's split-K partial sums [S, M, N] (fp32; with S = 1, the
+    result itself in x's dtype), for a consumer that adds them up anyway and so saves the
+    reduction's launch (summed over S and rounded to x's dtype, ``nvfp4_linear``'s
+    result): in one launch where the CUDA kernel runs (up to three weights, the results
+    column views of one buffer), else one launch each."""
     shapes = _check_group(x2, weights)
     k = x2.shape[1]
     if _one_launch(x2, weights):

@@ -49,7 +49,6 @@ ADAPTER_BYTES = {"adamw_torch": 4 + 4 + 2 * 4, "adamw_8bit": 4 + 4 + 2 * 1}
 # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE, vocabulary entries; a test keeps them equal).
 TOKEN_TILE = 4096
 VOCAB_TILE = 32768
-TERMS = ("weights", "lora", "kv_cache", "checkpointed", "layer", "logprob")
 
 
 @dataclass(frozen=True)
