@@ -64,22 +64,28 @@ def gemm_tiles(x2: torch.Tensor, quads: int, rows: int, ready: torch.Tensor) -> 
     which would add host time to every prefill GEMM."""
     if torch.compiler.is_compiling():
         return torch.ops.qerl.gemm_tiles(x2, quads, rows, ready)
-    return _launch_gemm_tiles(x2, quads, rows, ready)
+    return _tiles(_gemm_tiles_kernel, x2, quads, rows, ready)
 
 
-def _launch_gemm_tiles(x2: torch.Tensor, quads: int, rows: int, ready: torch.Tensor
-                       ) -> torch.Tensor:
+def _tiles(kernel, x2: torch.Tensor, quads: int, rows: int, ready: torch.Tensor
+           ) -> torch.Tensor:
     m, k = x2.shape
     out = torch.empty((quads, 2, rows, layout.GEMM_TILE_COLUMNS), dtype=x2.dtype,
                       device=x2.device)
     block_m = 16
-    torch.library.wrap_triton(_gemm_tiles_kernel)[(triton.cdiv(rows, block_m), quads)](
+    kernel[(triton.cdiv(rows, block_m), quads)](
         x2, out, ready, m, k, rows, x2.stride(0), ready.numel(),
         BLOCK_M=block_m, BLOCK_R=triton.next_power_of_2(max(ready.numel(), 1)))
     return out
 
 
-torch.library.triton_op("qerl::gemm_tiles", _launch_gemm_tiles, mutates_args={"ready"})
+@torch.library.triton_op("qerl::gemm_tiles", mutates_args={"ready"})
+def _gemm_tiles_op(x2: torch.Tensor, quads: int, rows: int, ready: torch.Tensor
+                   ) -> torch.Tensor:
+    # The launch wrapped, so that torch.compile (and Inductor) see the Triton kernel.
+    return _tiles(torch.library.wrap_triton(_gemm_tiles_kernel), x2, quads, rows, ready)
+
+
 torch.library.define(
     "qerl::nvfp4_gemm",
     "(Tensor x, Tensor(a!) ready, Tensor[] pairs, Tensor[] scale, Tensor[] global_scale, "
