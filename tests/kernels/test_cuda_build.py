@@ -81,3 +81,16 @@ def test_a_library_registers_its_operator_against_the_schema(module, arch):
     table = torch._C._dispatch_dump_table(name)
     assert "CUDA: registered at" in table and module.SOURCE.name in table, table
     assert "Meta: registered" in table, table  # the fake implementation
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests open the libraries")
+def test_a_second_architectures_library_is_refused_by_name():
+    """Its operators would be registered twice, which fails inside the library's loading,
+    where no Python error can be raised: the second architecture is refused before."""
+    if cuda_build.nvcc() is None:
+        missing("nvcc", "not on PATH (the CUDA image and CI have it)")
+    cuda_build.library(nvfp4_gemv.SOURCE, "90")
+    with pytest.raises(QuantizationError, match="nvfp4_gemv.cu is loaded for sm_90 in this "
+                                                "process.*for sm_89"):
+        cuda_build.library(nvfp4_gemv.SOURCE, "89")
