@@ -721,32 +721,23 @@ at::Tensor nvfp4_gemm_op(const at::Tensor& x, const at::Tensor& ready, at::Tenso
                          at::TensorList scale, at::TensorList global_scale,
                          const c10::List<std::optional<at::Tensor>>& bias, int64_t m,
                          int64_t token_tile, int64_t blocks) {
-  const size_t members = pairs.size();
-  TORCH_CHECK(scale.size() == members && global_scale.size() == members &&
-                  bias.size() == members,
-              "qerl::nvfp4_gemm takes one scale, global scale and bias (or None) per weight");
+  const qerl::Weights w("qerl::nvfp4_gemm", pairs, scale, global_scale, bias);
   TORCH_CHECK(ready.numel() >= 2 * blocks, "qerl::nvfp4_gemm needs 2 ready flags a block");
-  for (size_t i = 0; i < members; ++i) {
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(pairs[i].data_ptr()) % 16 == 0 &&
-                    reinterpret_cast<uintptr_t>(scale[i].data_ptr()) % 8 == 0,
+  for (int i = 0; i < w.count(); ++i) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(w.pairs[i]) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(w.scale[i]) % 8 == 0,
                 "qerl::nvfp4_gemm needs the codes 16-byte and the scale rows 8-byte aligned");
   }
-  const std::vector<int> n = qerl::rows(scale);
-  int64_t width = 0;
-  for (int rows : n) width += rows;
-  at::Tensor out = at::empty({m, width}, x.options());
+  at::Tensor out = at::empty({m, w.width}, x.options());
   at::Tensor partial =
       at::empty({blocks * token_tile * kThreads}, x.options().dtype(at::kFloat));
-  const auto p = qerl::pointers(pairs), s = qerl::pointers(scale);
-  const auto g = qerl::pointers(global_scale), b = qerl::pointers(bias);
-  const auto stride_p = qerl::row_strides(pairs), stride_s = qerl::row_strides(scale);
   qerl::check_launch(
-      launch_gemm(x.scalar_type() == at::kBFloat16, x.data_ptr(), static_cast<int>(members),
-                  p.data(), stride_p.data(), s.data(), stride_s.data(), g.data(), b.data(),
-                  n.data(), out.data_ptr(), out.stride(0), partial.data_ptr(),
-                  ready.data_ptr(), static_cast<int>(m), static_cast<int>(x.size(0)),
-                  static_cast<int>(token_tile), static_cast<int>(blocks), x.get_device(),
-                  qerl::stream_of(x)),
+      launch_gemm(x.scalar_type() == at::kBFloat16, x.data_ptr(), w.count(), w.pairs.data(),
+                  w.stride_p.data(), w.scale.data(), w.stride_s.data(),
+                  w.global_scale.data(), w.bias.data(), w.rows.data(), out.data_ptr(),
+                  out.stride(0), partial.data_ptr(), ready.data_ptr(), static_cast<int>(m),
+                  static_cast<int>(x.size(0)), static_cast<int>(token_tile),
+                  static_cast<int>(blocks), x.get_device(), qerl::stream_of(x)),
       "the Hopper NVFP4 GEMM");
   return out;
 }

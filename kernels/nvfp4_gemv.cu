@@ -545,34 +545,26 @@ std::tuple<at::Tensor, at::Tensor> nvfp4_gemv_op(
     const at::Tensor& x, at::TensorList pairs, at::TensorList scale,
     at::TensorList global_scale, const c10::List<std::optional<at::Tensor>>& bias,
     int64_t splits, int64_t k_warps, at::TensorList lora_a) {
-  const size_t members = pairs.size();
-  TORCH_CHECK(scale.size() == members && global_scale.size() == members &&
-                  bias.size() == members && (lora_a.empty() || lora_a.size() == members),
-              "qerl::nvfp4_gemv takes one scale, global scale and bias (or None) per weight, "
-              "and one adapter per weight or none");
+  const qerl::Weights w("qerl::nvfp4_gemv", pairs, scale, global_scale, bias);
+  TORCH_CHECK(lora_a.empty() || static_cast<int>(lora_a.size()) == w.count(),
+              "qerl::nvfp4_gemv takes one adapter per weight or none");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
               "qerl::nvfp4_gemv needs x 16-byte aligned");
-  for (const at::Tensor& w : pairs) {
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
+  for (const void* codes : w.pairs) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(codes) % 16 == 0,
                 "qerl::nvfp4_gemv needs the packed weights 16-byte aligned");
   }
-  const std::vector<int> n = qerl::rows(scale);
-  int64_t width = 0;
-  for (int rows : n) width += rows;
   const int64_t m = x.size(0), rank = lora_a.empty() ? 0 : lora_a[0].size(0);
-  at::Tensor out = at::empty({splits, m, width},
+  at::Tensor out = at::empty({splits, m, w.width},
                              x.options().dtype(splits > 1 ? at::kFloat : x.scalar_type()));
   at::Tensor xa = at::empty({splits, m, static_cast<int64_t>(lora_a.size()) * rank},
                             x.options().dtype(at::kFloat));
-  const auto p = qerl::pointers(pairs), s = qerl::pointers(scale);
-  const auto g = qerl::pointers(global_scale), b = qerl::pointers(bias);
   const auto a = qerl::pointers(lora_a);
-  const auto stride_p = qerl::row_strides(pairs), stride_s = qerl::row_strides(scale);
   qerl::check_launch(
-      launch_gemv(x.scalar_type() == at::kBFloat16, x.data_ptr(), x.stride(0),
-                  static_cast<int>(members), p.data(), stride_p.data(), s.data(),
-                  stride_s.data(), g.data(), b.data(), n.data(), out.data_ptr(), splits > 1,
-                  out.stride(0), out.stride(1), static_cast<int>(m),
+      launch_gemv(x.scalar_type() == at::kBFloat16, x.data_ptr(), x.stride(0), w.count(),
+                  w.pairs.data(), w.stride_p.data(), w.scale.data(), w.stride_s.data(),
+                  w.global_scale.data(), w.bias.data(), w.rows.data(), out.data_ptr(),
+                  splits > 1, out.stride(0), out.stride(1), static_cast<int>(m),
                   static_cast<int>(x.size(1)), static_cast<int>(splits),
                   static_cast<int>(k_warps), lora_a.empty() ? nullptr : a.data(),
                   static_cast<int>(rank), lora_a.empty() ? nullptr : xa.data_ptr(),

@@ -45,11 +45,30 @@ inline std::vector<long long> row_strides(at::TensorList tensors) {
   return out;
 }
 
-inline std::vector<int> rows(at::TensorList tensors) {
-  std::vector<int> out;
-  for (const at::Tensor& t : tensors) out.push_back(static_cast<int>(t.size(0)));
-  return out;
-}
+// The weights one launch multiplies side by side, their fields as the arrays the launchers
+// take (member g's are element g), checked one of each a weight; ``width``, the rows of
+// all (the output's columns).
+struct Weights {
+  Weights(const char* op, at::TensorList pairs_, at::TensorList scale_,
+          at::TensorList global_scale_, const c10::List<std::optional<at::Tensor>>& bias_)
+      : pairs(pointers(pairs_)), scale(pointers(scale_)),
+        global_scale(pointers(global_scale_)), bias(pointers(bias_)),
+        stride_p(row_strides(pairs_)), stride_s(row_strides(scale_)) {
+    TORCH_CHECK(scale_.size() == pairs_.size() && global_scale_.size() == pairs_.size() &&
+                    bias_.size() == pairs_.size(),
+                op, " takes one scale, global scale and bias (or None) per weight");
+    for (const at::Tensor& s : scale_) {
+      rows.push_back(static_cast<int>(s.size(0)));
+      width += s.size(0);
+    }
+  }
+  int count() const { return static_cast<int>(pairs.size()); }
+
+  std::vector<const void*> pairs, scale, global_scale, bias;
+  std::vector<long long> stride_p, stride_s;
+  std::vector<int> rows;
+  int64_t width = 0;
+};
 
 // torch's current stream on the tensor's device: a launch is ordered, and captured in a
 // CUDA graph, like torch's own kernels.
