@@ -13,6 +13,7 @@ import torch
 from qerl.bench.gpu_timing import rotating, time_us
 from qerl.bench.layer_sweep import model_layers, record_sweep, say_times, sweep_arguments
 from qerl.formats import nvfp4
+from qerl.kernels import device_facts as facts
 from qerl.kernels import nvfp4_gemm as gemm
 from qerl.kernels import nvfp4_layout as layout
 from qerl.record import per_card, provenance
@@ -30,7 +31,7 @@ def measure(n: int, k: int, m_values) -> list[dict]:
     weight = rotating(lambda: (pairs.clone(), q.scale.clone(), q.global_scale.clone()),
                       n * k * 9 // 16)
     dense = rotating(lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16), 2 * n * k)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = facts.num_sms(torch.device("cuda"))
     rows = []
     for m in m_values:
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

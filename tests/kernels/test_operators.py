@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from qerl.formats import nvfp4
+from qerl.kernels import device_facts as facts
 from qerl.kernels import nvfp4_gemm as gemm
 from qerl.kernels import nvfp4_gemv as gemv
 from qerl.kernels import nvfp4_layout as layout
@@ -72,8 +73,7 @@ def test_the_small_m_operator_passes_opcheck(m, n_rows, k, rank, dtype):
     x = torch.randn(m, k, generator=gen).to(dtype).cuda()
     lora = [torch.randn(rank, k, generator=gen).cuda() for _ in ws] if rank else []
     assert gemv.available(x.device), gemv.unavailable_reason(x.device)
-    splits, k_warps = gemv.launch_shape(m, n_rows, k, torch.cuda.get_device_properties(0)
-                                        .multi_processor_count, rank)
+    splits, k_warps = gemv.launch_shape(m, n_rows, k, facts.num_sms(x.device), rank)
     torch.library.opcheck(torch.ops.qerl.nvfp4_gemv.default,
                           (x, [w[0] for w in ws], [w[1] for w in ws], [w[2] for w in ws],
                            [w[3] for w in ws], splits, k_warps, lora))
@@ -89,8 +89,7 @@ def test_the_hopper_gemm_operators_pass_opcheck(m, n_rows, k):
     seed = fresh_seed()
     ws = weights(n_rows, k, "cuda", seed, bias=False)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).bfloat16().cuda()
-    launch = gemm.launch_for(m, sum(n_rows), k, torch.cuda.get_device_properties(0)
-                             .multi_processor_count)
+    launch = gemm.launch_for(m, sum(n_rows), k, facts.num_sms(x.device))
     quads, rows = ws[0][0].shape[1], -(-m // launch.token_tile) * launch.token_tile
     ready = torch.zeros(2 * launch.blocks, dtype=torch.int32, device="cuda")
     torch.library.opcheck(torch.ops.qerl.gemm_tiles.default, (x, quads, rows, ready))
