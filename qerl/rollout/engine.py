@@ -114,28 +114,21 @@ class Engine:
                                f"prefill_tokens >= 1, got {max_batch}, {max_seq_len}, "
                                f"{slot_bucket}, {prefill_tokens}")
         self.dtype = self.model.get_input_embeddings().weight.dtype
-        self.device = self.model.get_input_embeddings().weight.device
+        # The lm_head's: the input embedding's table may be in the host's memory
+        # (qerl.nn.host_embedding), the lm_head's is always where the model computes.
+        self.device = self.model.get_output_embeddings().weight.device
         need = max_batch * max_seq_len * KVCache.bytes_per_slot(config, self.dtype)
         if kv_budget_bytes is not None and need > kv_budget_bytes:
             fits = self.max_batch_for(config, kv_budget_bytes, max_seq_len, self.dtype)
             raise RolloutError(f"a KV cache for {max_batch} x {max_seq_len} tokens needs "
                                f"{need / 1e9:.2f} GB, over the budget of "
                                f"{kv_budget_bytes / 1e9:.2f} GB (it holds {fits} sequences)")
-        free = free_bytes(self.device)
-        if free is not None and need > free:
-            # Said here, before the allocation: torch's out-of-memory error would name
-            # neither the cache nor how to make it fit.
-            fits = self.max_batch_for(config, free, max_seq_len, self.dtype)
-            raise CacheMemoryError(
-                f"a KV cache for {max_batch} sequences of {max_seq_len} tokens needs "
-                f"{need / 1e9:.2f} GB, and {self.device} has {free / 1e9:.2f} GB free (it "
-                f"holds {fits}): roll out fewer sequences at once (qerl train: "
-                f"engine.kv_budget_gb samples a step's batch in chunks) or shorter ones")
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.slot_bucket, self.prefill_tokens = slot_bucket, prefill_tokens
         self.decoder = Decoder(self.model, fused=self.device.type == "cuda" if fused is None
                                else fused)
-        self.cache = KVCache.allocate(config, max_batch, max_seq_len, self.dtype, self.device)
+        self.cache: KVCache | None = None
+        self._allocate()
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.compact, self.share_prompts = compact, share_prompts
         self._graphs: dict[tuple[int, int], tuple] = {}
@@ -154,6 +147,29 @@ class Engine:
     def reset(self) -> None:
         """Forget the captured CUDA graphs (after the model's tensors were replaced)."""
         self._graphs.clear()
+
+    def release(self) -> None:
+        """Free the KV cache and the captured graphs (whose pools hold their own memory),
+        so that what comes next (training) has their memory; the next ``generate`` makes
+        them again, a graph capture per batch size and slot bucket it decodes."""
+        self.cache = None
+        self.reset()
+
+    def _allocate(self) -> None:
+        config = self.model.config
+        need = self.max_batch * self.max_seq_len * KVCache.bytes_per_slot(config, self.dtype)
+        free = free_bytes(self.device)
+        if free is not None and need > free:
+            # Said here, before the allocation: torch's out-of-memory error would name
+            # neither the cache nor how to make it fit.
+            fits = self.max_batch_for(config, free, self.max_seq_len, self.dtype)
+            raise CacheMemoryError(
+                f"a KV cache for {self.max_batch} sequences of {self.max_seq_len} tokens "
+                f"needs {need / 1e9:.2f} GB, and {self.device} has {free / 1e9:.2f} GB free "
+                f"(it holds {fits}): roll out fewer sequences at once (qerl train: "
+                f"engine.kv_budget_gb samples a step's batch in chunks) or shorter ones")
+        self.cache = KVCache.allocate(config, self.max_batch, self.max_seq_len, self.dtype,
+                                      self.device)
 
     @staticmethod
     def max_batch_for(config, kv_budget_bytes: int, max_seq_len: int,
@@ -267,6 +283,8 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
         self._check(prompts, params)
+        if self.cache is None:
+            self._allocate()
         batch, longest = len(prompts), max(len(p) for p in prompts)
         # Each distinct prompt numbered by its first row, and the one each row repeats
         # (prefilled once each with share_prompts, else every row is).

@@ -220,6 +220,26 @@ def test_a_prefill_in_chunks_of_sequences_fills_the_cache_as_one_forward_does():
         Engine(model, max_batch=8, max_seq_len=32, prefill_tokens=0)
 
 
+def test_a_released_cache_is_made_again_and_generates_the_same(monkeypatch):
+    """engine.release_cache: after release() the cache and the captured graphs are gone
+    (their memory is training's), and the next rollout, which makes them again, samples
+    the same tokens and log-probs with the same seed; a cache that no longer fits the free
+    memory is refused then, naming it."""
+    seed = fresh_seed()
+    engine = Engine(tiny("qwen2", torch.float32, seed), max_batch=4, max_seq_len=48)
+    params = SamplingParams(max_new_tokens=20, seed=seed)
+    before = engine.generate(PROMPTS, params)
+    engine.release()
+    assert engine.cache is None and not engine._graphs
+    after = engine.generate(PROMPTS, params)
+    assert engine.cache is not None
+    assert after.tokens == before.tokens and after.logprobs == before.logprobs
+    engine.release()
+    monkeypatch.setattr(engine_module, "free_bytes", lambda device: 1)
+    with pytest.raises(CacheMemoryError, match="a KV cache for 4 sequences of 48 tokens"):
+        engine.generate(PROMPTS, params)
+
+
 def test_a_cache_larger_than_the_free_memory_is_refused_before_allocating(monkeypatch):
     """On a GPU the engine compares its KV cache with the free memory first: torch's own
     out-of-memory error would name neither the cache nor the settings that shrink it."""
