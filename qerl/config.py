@@ -111,6 +111,21 @@ class EngineSection(Settings):
     # Sequences a rollout samples at once (a step's more run in rounds); None: all of them,
     # or as many as kv_budget_gb holds. memory_gb sets it.
     max_batch: int | None = Field(None, ge=1)
+    # Free the KV cache (and the decode step's CUDA graphs) after each step's rollouts, so
+    # that training has its memory; they are made again at the next step's. memory_gb may
+    # set it.
+    release_cache: bool = False
+
+
+class OffloadSection(Settings):
+    """What lives in the host's memory instead of the GPU's; memory_gb may set each."""
+
+    # The input embedding's table, pinned, its rows gathered over PCIe (an untied one: a
+    # tied table is also the lm_head's).
+    embedding: bool = False
+    # AdamW's fp32 master weights and moments, its step on the CPU (train.optimizer
+    # adamw_torch).
+    optimizer: bool = False
 
 
 class TrainConfig(Settings):
@@ -127,6 +142,7 @@ class TrainConfig(Settings):
     rl: RLSection = RLSection()
     train: TrainSection = TrainSection()
     engine: EngineSection = EngineSection()
+    offload: OffloadSection = OffloadSection()
     # GPU memory (decimal GB, as the driver counts it) one process's step must fit: the
     # micro-batch (at most train.batch_size), the rollout's batch and gradient checkpointing
     # are chosen for it, and on a GPU torch is capped to it (qerl.rl.budget).
@@ -148,6 +164,15 @@ class TrainConfig(Settings):
             raise ValueError("rl.overlong.buffer must be below rl.max_completion_length")
         if self.memory_gb is not None:
             self._check_budget()
+        if self.offload.optimizer and self.train.optimizer != "adamw_torch":
+            raise ValueError(f"offload.optimizer keeps AdamW's state in fp32 on the host: "
+                             f"train.optimizer adamw_torch, not {self.train.optimizer}")
+        if self.offload.embedding and self.method == "full":
+            raise ValueError("offload.embedding freezes the input embedding in host memory; "
+                             "method full trains it")
+        if self.engine.release_cache and self.engine.backend != "embedded":
+            raise ValueError("engine.release_cache frees the embedded engine's cache; vLLM "
+                             "keeps its own (engine.backend: embedded)")
         if self.method == "full" and self.aqn.enabled is True:
             raise ValueError("AQN perturbs the norms of a quantized base; method full has "
                              "none to model: set aqn.enabled false")
@@ -164,6 +189,12 @@ class TrainConfig(Settings):
         if given:
             raise ValueError(f"memory_gb sizes the rollout's KV cache itself: leave "
                              f"{', '.join(f'engine.{k}' for k in given)} unset")
+        chosen = [k for k, on in (("engine.release_cache", self.engine.release_cache),
+                                  ("offload.embedding", self.offload.embedding),
+                                  ("offload.optimizer", self.offload.optimizer)) if on]
+        if chosen:
+            raise ValueError(f"memory_gb takes the memory measures where they are needed: "
+                             f"leave {', '.join(chosen)} unset")
 
 
 def load_config(path: str | Path, overrides: dict | None = None) -> TrainConfig:

@@ -32,11 +32,12 @@ def test_bad_options_are_refused_by_name(capsys, options, words):
 
 
 def test_a_budget_that_cannot_fit_is_a_refusal_with_the_smallest_budget():
-    args = capped_step.parse(["--memory-gb", "8"])
-    refused = capped_step.planned(args, "qwen2.5-7b", "qerl", 8.0)
-    assert isinstance(refused, Exception) and "does not fit memory_gb 8" in str(refused)
+    args = capped_step.parse(["--memory-gb", "7"])
+    refused = capped_step.planned(args, "qwen2.5-7b", "qerl", 7.0)
+    assert isinstance(refused, Exception) and "does not fit memory_gb 7" in str(refused)
     plan = capped_step.planned(args, "qwen2.5-7b", "qerl", refused.needs_gb)
-    assert plan.rollout_batch == 1 and plan.micro_batch == 1
+    assert plan.micro_batch == 1
+    assert plan.measures == ("offload.embedding", "engine.release_cache", "offload.optimizer")
 
 
 def test_a_pairs_rows_carry_their_verdict_and_time_against_the_whole_card():
@@ -108,7 +109,8 @@ def test_fits_shows_each_models_verdict_per_budget(tmp_path):
         {"model": "qwen2.5-14b", "method": "qerl", "memory_gb": 79.6, "whole_card": 1,
          "status": "ok", "step_s": 40.0, "time_vs_uncapped": 1.0},
         {"model": "qwen2.5-14b", "method": "qerl", "memory_gb": 16, "whole_card": 0,
-         "status": "ok", "step_s": 52.0, "time_vs_uncapped": 1.3},
+         "status": "ok", "step_s": 52.0, "time_vs_uncapped": 1.3,
+         "measures": "offload.embedding+engine.release_cache"},
         {"model": "qwen2.5-14b", "method": "qerl", "memory_gb": 8, "whole_card": 0,
          "status": "refused", "needs_gb": 15.61},
         {"model": "qwen2.5-7b", "method": "qerl", "memory_gb": 8, "whole_card": 0,
@@ -124,6 +126,7 @@ def test_fits_shows_each_models_verdict_per_budget(tmp_path):
     cells = {(r.model, r.method): (r["8 GB"], r["16 GB"]) for _, r in table.iterrows()}
     assert cells == {("qwen2.5-7b", "lora"): ("", "oom"),  # "": not measured
                      ("qwen2.5-7b", "qerl"): ("over: 8.42 GB", ""),
-                     ("qwen2.5-14b", "qerl"): ("needs 15.61 GB", "1.30x")}
+                     ("qwen2.5-14b", "qerl"): ("needs 15.61 GB", "1.30x (offload.embedding, "
+                                                                   "engine.release_cache)")}
     assert list(table.model) == ["qwen2.5-7b", "qwen2.5-7b", "qwen2.5-14b"]
     assert set(table.step) == {"1x8x2048 r32"}

@@ -19,7 +19,9 @@ nvml_peak_gb is the GPU's memory in use at its highest less what was in use befo
 measuring process started (driver_memory; each GPU is held whole), so nvml_peak_gb -
 torch_reserved_gb measures the CUDA context allowance the plan assumes
 (qerl.rl.budget.CUDA_CONTEXT_GB), and torch_reserved_gb - torch_peak_gb the allocator's
-slack. The KV cache is BF16 (kv_cache).
+slack. The KV cache is BF16 (kv_cache). ``measures`` names what the plan took beyond its
+batch sizes (qerl.rl.budget.MEASURES: the input embedding or the optimizer's state in the
+host's memory, the KV cache freed while training), "+"-joined, or none.
 
 Rows go to results/bench/budget_<card>.csv as each (model, method) finishes; `qerl report`
 tabulates them: budget.md (every row) and fits.md (which model fits which budget).
@@ -130,7 +132,7 @@ def pair_rows(prefix: dict, card_gb: float, measured: list[tuple[float, dict]]) 
     card's first: each with its verdict and its time against the whole card's step."""
     rows = [{**prefix, "memory_gb": budget_gb, "whole_card": int(budget_gb == card_gb),
              **{k: result.get(k) for k in ("needs_gb", "rollout_batch", "micro_batch",
-                                           *MEASURED)},
+                                           "measures", *MEASURED)},
              "status": verdict(result, budget_gb)} for budget_gb, result in measured]
     whole = rows[0]
     uncapped = whole["step_s"] if whole["whole_card"] and whole["status"] == "ok" else None
@@ -198,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             free.put(uuid)
         return {**child_result(done), "needs_gb": round(plan.needs_gb, 2),
-                "rollout_batch": plan.rollout_batch, "micro_batch": plan.micro_batch}
+                "rollout_batch": plan.rollout_batch, "micro_batch": plan.micro_batch,
+                "measures": "+".join(plan.measures) or "none"}
 
     def pair(model: str, method: str) -> list[dict]:
         budgets = budgets_to_run(args, model, method, card_gb)

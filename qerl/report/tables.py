@@ -464,13 +464,14 @@ def fits(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
     column per budget. A cell is the step's time against the same model and method's on the
     whole card, where it ran within the budget as the driver counts it ("1.21x"); else why
     not: the smallest budget its plan needs ("needs 9.13 GB"), torch's cap reached ("oom"),
-    the driver's peak past the budget ("over: 8.42 GB"), or "failed"."""
+    the driver's peak past the budget ("over: 8.42 GB"), or "failed"; after a step that ran,
+    the memory measures its plan took, if any ("1.21x (offload.embedding)")."""
     rows = frames.get("budget")
     if rows is None or "status" not in rows:
         return pd.DataFrame()
     rows = rows[rows.whole_card != 1]
 
-    def cell(r) -> str:
+    def outcome(r) -> str:
         if r.status == "ok":
             return f"{r.time_vs_uncapped:.2f}x" if pd.notna(r.time_vs_uncapped) else "ok"
         if r.status == "refused":
@@ -478,6 +479,12 @@ def fits(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
         if r.status == "over":
             return f"over: {r.nvml_peak_gb:.2f} GB"
         return r.status
+
+    def cell(r) -> str:
+        taken = getattr(r, "measures", None)  # rows before the measures have none
+        if r.status == "refused" or not isinstance(taken, str) or taken == "none":
+            return outcome(r)
+        return f"{outcome(r)} ({taken.replace('+', ', ')})"
 
     step = (rows.prompts.map("{:g}".format) + "x" + rows.generations.map("{:g}".format)
             + "x" + rows.completion.map("{:g}".format) + " r" + rows.lora_rank.map("{:g}".format))

@@ -7,7 +7,10 @@ the optimizer) and chooses how the step runs: gradient checkpointing on (the foo
 activation terms are those of checkpointed steps), the most rollout sequences the KV cache
 can hold beside the smallest training micro-batch (the rollout decodes token by token, so
 a step's time goes mostly to how many rounds of it there are), then the largest micro-batch
-that divides the step's completions, up to ``train.batch_size``, in what is left. The
+that divides the step's completions, up to ``train.batch_size``, in what is left. Where
+the rollout would take more than one round, the plan takes MEASURES (the input embedding
+and the optimizer's state in the host's memory, the KV cache freed while training),
+cheapest first, each only if it saves a round. The
 log-probabilities are TRL's fused LM head's, always computed in tiles (qerl.rl.footprint,
 ``logprob``): there is no chunk to choose. A step that cannot fit even at one sequence a
 rollout and a micro-batch of one is refused with its terms and the smallest budget that
@@ -45,6 +48,14 @@ CUDA_CONTEXT_GB = 1.0
 # (torch_reserved_gb - torch_peak_gb): a floor for what is needed. ASSUMED above it; the
 # first run planned with it (H200, 7B at 10 GB) passed, the other models are not run yet.
 ALLOCATOR_SLACK = 0.10
+# What a plan may take beyond its batch sizes, cheapest first (configuration keys): the
+# input embedding in the host's memory (a forward gathers its rows over PCIe), the KV cache
+# freed after each step's rollouts (its decode graphs are captured again each step), the
+# optimizer's moments in the host's memory (its step runs on the CPU).
+MEASURES = ("offload.embedding", "engine.release_cache", "offload.optimizer")
+STEP_FIELDS = {"offload.embedding": "embedding_on_host",
+               "engine.release_cache": "cache_released",
+               "offload.optimizer": "optimizer_on_host"}
 
 
 class BudgetError(ConfigError):
@@ -64,7 +75,8 @@ class DoesNotFit(BudgetError):
 class Plan:
     """How a step runs within ``budget_gb``: ``rollout_batch`` sequences a rollout (the KV
     cache's rows), ``micro_batch`` sequences a forward and backward of ``completions`` a
-    step, gradient checkpointing on; ``terms``, the footprint at those settings (GB)."""
+    step, gradient checkpointing on, and the MEASURES in ``measures``; ``terms``, the
+    footprint at those settings (GB)."""
 
     budget_gb: float
     context_gb: float
@@ -72,6 +84,7 @@ class Plan:
     rollout_batch: int
     micro_batch: int
     terms: dict[str, float]
+    measures: tuple[str, ...] = ()
 
     @property
     def needs_gb(self) -> float:
@@ -84,14 +97,16 @@ class Plan:
     def describe(self) -> str:
         return (f"memory budget {self.budget_gb:g} GB: {self.rollout_batch} of the step's "
                 f"{self.completions} sequences a rollout ({self.rollout_rounds} round(s)), "
-                f"micro-batch {self.micro_batch}, gradient checkpointing; estimated "
+                f"micro-batch {self.micro_batch}, gradient checkpointing"
+                f"{''.join(f', {m}' for m in self.measures)}; estimated "
                 f"{self.needs_gb:.2f} GB; {breakdown(self.terms, self.context_gb)}")
 
     def as_dict(self) -> dict:
         return {"budget_gb": self.budget_gb, "context_gb": self.context_gb,
                 "context_measured": False, "completions": self.completions,
                 "rollout_batch": self.rollout_batch, "micro_batch": self.micro_batch,
-                "gradient_checkpointing": True, "needs_gb": round(self.needs_gb, 3),
+                "gradient_checkpointing": True, "measures": list(self.measures),
+                "needs_gb": round(self.needs_gb, 3),
                 **{f"{k}_gb": round(v, 3) for k, v in self.terms.items()}}
 
 
@@ -113,6 +128,14 @@ def breakdown(terms: dict[str, float], context_gb: float) -> str:
             f"{context_gb:.2f} (assumed, not measured)")
 
 
+def measures_for(model_config, optimizer: str) -> tuple[str, ...]:
+    """The MEASURES a model of ``model_config`` trained by ``optimizer`` can take."""
+    tied = getattr(model_config, "tie_word_embeddings", False)
+    return tuple(m for m in MEASURES
+                 if not (m == "offload.embedding" and tied)
+                 and not (m == "offload.optimizer" and optimizer != "adamw_torch"))
+
+
 def plan_step(model_config, *, budget_gb: float, method: str, completions: int,
               max_micro_batch: int, prompt_len: int, completion: int, rank: int,
               optimizer: str = "adamw_torch", context_gb: float = CUDA_CONTEXT_GB) -> Plan:
@@ -122,37 +145,54 @@ def plan_step(model_config, *, budget_gb: float, method: str, completions: int,
         raise BudgetError(f"a plan needs a positive budget, completions and micro-batch; got "
                           f"{budget_gb} GB, {completions}, {max_micro_batch}")
 
-    def needs(sequences: int, micro_batch: int) -> dict[str, float]:
+    def needs(measures: tuple[str, ...], sequences: int, micro_batch: int) -> dict[str, float]:
+        taken = {STEP_FIELDS[m]: True for m in measures}
         return step_memory(model_config, Step(method, sequences, micro_batch, prompt_len,
-                                              completion, rank, optimizer))
+                                              completion, rank, optimizer, **taken))
 
-    def fits(sequences: int, micro_batch: int) -> bool:
-        return driver_gb(needs(sequences, micro_batch), context_gb) <= budget_gb
+    def fits(measures: tuple[str, ...], sequences: int, micro_batch: int) -> bool:
+        return driver_gb(needs(measures, sequences, micro_batch), context_gb) <= budget_gb
 
-    if not fits(1, 1):
-        smallest = needs(1, 1)
+    def planned(measures: tuple[str, ...]) -> Plan | None:
+        if not fits(measures, 1, 1):
+            return None
+        # The KV cache first: the largest rollout batch beside a micro-batch of one, evened
+        # out over the rounds it takes (5 + 3 of 8 as 4 + 4: as fast, and the rest to
+        # training).
+        rollout = max(r for r in range(1, completions + 1) if fits(measures, r, 1))
+        rounds = -(-completions // rollout)
+        rollout = -(-completions // rounds)
+        micro = max(m for m in range(1, min(max_micro_batch, completions) + 1)
+                    if completions % m == 0 and fits(measures, rollout, m))
+        return Plan(budget_gb, context_gb, completions, rollout, micro,
+                    needs(measures, rollout, micro), measures)
+
+    # A measure is taken only where it saves the rollout a round, the cheapest first.
+    options, best = measures_for(model_config, optimizer), None
+    for taken in range(len(options) + 1):
+        plan = planned(options[:taken])
+        if plan is not None and (best is None or plan.rollout_rounds < best.rollout_rounds):
+            best = plan
+        if best is not None and best.rollout_rounds == 1:
+            break
+    if best is None:
+        smallest = needs(options, 1, 1)
         least = math.ceil(driver_gb(smallest, context_gb) * 100) / 100
+        taken = f" and {', '.join(options)}" if options else ""
         raise DoesNotFit(
             f"a {method} step of {completions} sequences of {prompt_len} + {completion} "
             f"tokens (prompt + completion; LoRA rank {rank}, {optimizer}) does not fit "
             f"memory_gb {budget_gb:g}: at the smallest settings (1 sequence a rollout, "
-            f"micro-batch 1, gradient checkpointing) it needs {least:.2f} GB; "
+            f"micro-batch 1, gradient checkpointing{taken}) it needs {least:.2f} GB; "
             f"{breakdown(smallest, context_gb)}. The smallest budget that fits: {least:.2f} GB",
             least)
-    # The KV cache first: the largest rollout batch beside a micro-batch of one, evened out
-    # over the rounds it takes (5 + 3 of 8 as 4 + 4: as fast, and the rest to training).
-    rollout = max(r for r in range(1, completions + 1) if fits(r, 1))
-    rounds = -(-completions // rollout)
-    rollout = -(-completions // rounds)
-    micro = max(m for m in range(1, min(max_micro_batch, completions) + 1)
-                if completions % m == 0 and fits(rollout, m))
-    return Plan(budget_gb, context_gb, completions, rollout, micro, needs(rollout, micro))
+    return best
 
 
 def fit(config: TrainConfig, model_config) -> tuple[TrainConfig, Plan]:
     """``config`` planned into its ``memory_gb`` (a model of ``model_config``): the same
     completions a step, in the plan's micro-batches and rollout batches, with gradient
-    checkpointing."""
+    checkpointing and the plan's measures."""
     if config.memory_gb is None:
         raise BudgetError("the configuration sets no memory_gb to fit")
     train, rl = config.train, config.rl
@@ -165,7 +205,12 @@ def fit(config: TrainConfig, model_config) -> tuple[TrainConfig, Plan]:
         "train": train.model_copy(update={
             "batch_size": plan.micro_batch, "gradient_checkpointing": True,
             "gradient_accumulation_steps": completions // plan.micro_batch}),
-        "engine": config.engine.model_copy(update={"max_batch": plan.rollout_batch})})
+        "engine": config.engine.model_copy(update={
+            "max_batch": plan.rollout_batch,
+            "release_cache": "engine.release_cache" in plan.measures}),
+        "offload": config.offload.model_copy(update={
+            "embedding": "offload.embedding" in plan.measures,
+            "optimizer": "offload.optimizer" in plan.measures})})
     return planned, plan
 
 

@@ -9,10 +9,13 @@ which this does not model). The terms, decimal GB:
 
 - weights: the decoder's projections in the method's format (BF16 2 bytes a weight; NVFP4
   and NF4 4 bits plus one 8- or 32-bit scale per 16 or 64: 0.5625 bytes), the rest (input
-  embedding, lm_head) in BF16;
+  embedding, lm_head) in BF16; with ``embedding_on_host`` the input embedding is in the
+  host's memory instead (qerl.nn.host_embedding; an untied one only: a tied table is the
+  lm_head's);
 - lora: the adapters in fp32 with their gradients and the optimizer's two moments: 16
   bytes a parameter with AdamW in fp32; with bitsandbytes' 8-bit AdamW 10 (its per-block
-  scales left out);
+  scales left out); with ``optimizer_on_host`` 8 (the moments are in the host's memory,
+  qerl.rl.host_optimizer);
 - kv_cache: keys and values of every layer for each token of each sequence, in BF16;
 - checkpointed: each layer's input for one micro-batch, kept for the backward pass;
 - layer: one layer's activations while it is recomputed in the backward pass: for lora and
@@ -29,8 +32,11 @@ which this does not model). The terms, decimal GB:
   of ``layer`` and ``logprob`` (``layer`` at every Qwen2.5 shape).
 
 ``total`` is weights + lora + kv_cache + checkpointed + the larger of layer and logprob:
-torch's allocated peak, which tests/test_bench_cli.py holds within 10% of every committed
-`qerl bench step` measurement. What the driver counts beyond it (the CUDA context, kernel
+torch's allocated peak; with ``cache_released`` (the engine frees its cache after each
+step's rollouts, engine.release_cache) the cache and the training's activations are not
+held at once, and the total is weights + lora + the larger of the two. The total without
+the measures is the peak tests/test_bench_cli.py holds within 10% of every committed `qerl
+bench step` measurement. What the driver counts beyond it (the CUDA context, kernel
 modules, the allocator's unused reserve) is the budget's allowance, not a term here.
 """
 
@@ -45,6 +51,8 @@ BF16 = 2
 QUANTIZED_BYTES = 0.5 + 1 / 16  # 4-bit values + one 8-bit scale per 16 (NF4: 32-bit per 64)
 # An adapter parameter (fp32) and its gradient (fp32), and the optimizer's two moments.
 ADAPTER_BYTES = {"adamw_torch": 4 + 4 + 2 * 4, "adamw_8bit": 4 + 4 + 2 * 1}
+# The same with the moments in the host's memory (qerl.rl.host_optimizer, AdamW in fp32).
+HOST_OPTIMIZER_BYTES = 4 + 4
 # TRL's fused LM head's tile (trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE, tokens, and
 # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE, vocabulary entries; a test keeps them equal).
 TOKEN_TILE = 4096
@@ -55,7 +63,8 @@ VOCAB_TILE = 32768
 class Step:
     """What one RL step holds at once: ``sequences`` in the rollout's KV cache,
     ``micro_batch`` sequences a forward and backward, each of ``prompt_len + completion``
-    tokens; LoRA of ``rank`` trained by ``optimizer``."""
+    tokens; LoRA of ``rank`` trained by ``optimizer``. Memory measures: the input embedding
+    and the optimizer's moments in the host's memory, the KV cache freed while training."""
 
     method: str
     sequences: int
@@ -64,6 +73,9 @@ class Step:
     completion: int
     rank: int = 32
     optimizer: str = "adamw_torch"
+    embedding_on_host: bool = False
+    optimizer_on_host: bool = False
+    cache_released: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in LORA_METHODS:
@@ -71,6 +83,9 @@ class Step:
                              f"{self.method!r}")
         if self.optimizer not in ADAPTER_BYTES:
             raise ValueError(f"the footprint models the optimizers {tuple(ADAPTER_BYTES)}, "
+                             f"not {self.optimizer!r}")
+        if self.optimizer_on_host and self.optimizer != "adamw_torch":
+            raise ValueError(f"the optimizer in host memory is AdamW in fp32 (adamw_torch), "
                              f"not {self.optimizer!r}")
         for name in ("sequences", "micro_batch", "prompt_len", "completion", "rank"):
             if getattr(self, name) < 1:
@@ -98,13 +113,17 @@ def step_memory(config, step: Step) -> dict[str, float]:
     kv_width = shapes[1][1]
     projections = layers * sum(a * b for a, b in shapes)
     adapters = layers * sum(step.rank * (a + b) for a, b in shapes)
-    dense = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
+    if step.embedding_on_host and config.tie_word_embeddings:
+        raise ValueError("a tied input embedding is the lm_head's table: it stays on the GPU")
+    tables = 1 if config.tie_word_embeddings or step.embedding_on_host else 2
+    dense = config.vocab_size * hidden * tables
     scored = step.micro_batch * step.completion  # completion tokens a micro-batch scores
     per_token = (6 * inter + 20 * hidden) if step.method == "qlora" else (4 * inter + 8 * hidden)
     terms = {
         "weights": projections * (BF16 if step.method == "lora" else QUANTIZED_BYTES)
         + dense * BF16,
-        "lora": adapters * ADAPTER_BYTES[step.optimizer],
+        "lora": adapters * (HOST_OPTIMIZER_BYTES if step.optimizer_on_host
+                            else ADAPTER_BYTES[step.optimizer]),
         "kv_cache": layers * 2 * kv_width * BF16 * step.sequences * step.tokens,
         "checkpointed": layers * step.micro_batch * step.tokens * hidden * BF16,
         "layer": step.micro_batch * step.tokens * per_token * BF16,
@@ -112,6 +131,7 @@ def step_memory(config, step: Step) -> dict[str, float]:
         + scored * hidden * (BF16 + 4),
     }
     terms = {k: v / GB for k, v in terms.items()}
-    peak = max(terms["layer"], terms["logprob"])
-    fixed = terms["weights"] + terms["lora"] + terms["kv_cache"] + terms["checkpointed"]
-    return {**terms, "total": fixed + peak}
+    training = terms["checkpointed"] + max(terms["layer"], terms["logprob"])
+    held = (max(terms["kv_cache"], training) if step.cache_released
+            else terms["kv_cache"] + training)
+    return {**terms, "total": terms["weights"] + terms["lora"] + held}

@@ -29,6 +29,7 @@ from transformers import TrainerCallback, set_seed
 
 from qerl.atomic import claim, make_directory
 from qerl.config import ConfigError, TrainConfig
+from qerl.nn.host_embedding import embedding_to_host
 from qerl.policy import build_policy
 from qerl.record import provenance, version
 from qerl.rl.budget import Plan, enforce, fit
@@ -133,6 +134,8 @@ def build_trainer(config: TrainConfig, callbacks: list | None = None):
     policy = build_policy(config.method, config.model, arch=config.arch, seed=config.seed,
                           lora=config.lora, aqn=config.aqn if aqn_on else None,
                           total_steps=config.train.max_steps, device=_process_device(device))
+    if config.offload.embedding:
+        embedding_to_host(policy.base_model)
     make_directory(config.output_dir)
     if plan is not None and _main_rank():
         (config.output_dir / MEMORY_PLAN).write_text(json.dumps(plan.as_dict(), indent=2))
@@ -146,7 +149,7 @@ def build_trainer(config: TrainConfig, callbacks: list | None = None):
 
 # Settings that may change between a run and its resumption: they change nothing learned.
 RESUMABLE = {"device", "train.report_to", "train.logging_steps", "train.save_steps",
-             "train.save_total_limit"}
+             "train.save_total_limit", "engine.release_cache", "offload.embedding"}
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

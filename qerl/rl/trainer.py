@@ -40,6 +40,7 @@ from qerl.cpu_threads import CPUThreads
 from qerl.nn.liger import require_liger, use_liger
 from qerl.nn.padded_attention import use_padded_attention
 from qerl.rl.checkpoints import save_staged
+from qerl.rl.host_optimizer import host_adamw_cls_and_kwargs
 from qerl.rl.phases import PHASES
 from qerl.rl.rewards import REWARDS, checked
 from qerl.rollout import Engine, SamplingParams
@@ -161,6 +162,8 @@ class QerlGRPOTrainer(GRPOTrainer):
                          args=grpo_args(config, use_cpu=device.type != "cuda"),
                          train_dataset=train_dataset, processing_class=tokenizer,
                          callbacks=[*(callbacks or [])])
+        if config.offload.optimizer:  # transformers' create_optimizer builds it
+            self.optimizer_cls_and_kwargs = host_adamw_cls_and_kwargs(self.args)
         if rl.dynamic_sampling and self.accelerator.num_processes > 1:
             raise ConfigError("rl.dynamic_sampling runs on one process for now (refills "
                               "would have to agree across processes); turn it off for "
@@ -268,6 +271,8 @@ class QerlGRPOTrainer(GRPOTrainer):
                                   if first else params)
             tokens += out.tokens
             logprobs += out.logprobs
+        if self.qerl_config.engine.release_cache:
+            engine.release()
         seconds = time.perf_counter() - start
         self._phases["rollout"] += seconds
         self._metrics["train"]["rollout/tokens_per_s"].append(

@@ -406,6 +406,38 @@ def test_a_kv_budget_splits_the_rollout_into_chunks(chat_model, tmp_path):
         run(raw)
 
 
+def test_the_memory_measures_change_nothing_learned(chat_model, tmp_path):
+    """The input embedding and AdamW's state in host memory and the KV cache freed between
+    rollouts (what a memory budget may take) move memory, not numbers: four steps log what
+    the same run without them logs (the host AdamW runs the CPU's fused kernel where the
+    Trainer's adamw_torch runs its single-tensor loop, which differ by fp32 rounding), and
+    the adapters end the same to that rounding; interrupted, the run resumes exactly."""
+    from safetensors.torch import load_file
+
+    plain, moved = tmp_path / "plain", tmp_path / "moved"
+    run(settings(chat_model, plain, max_steps=4))
+    raw = settings(chat_model, moved, max_steps=4)
+    raw["offload"] = {"embedding": True, "optimizer": True}
+    raw["engine"] = {"release_cache": True}
+    trainer = run(raw)
+    assert trainer._engine.cache is None
+    a, b = (pd.read_csv(d / METRICS).drop(columns=list(TIMING), errors="ignore")
+            for d in (plain, moved))
+    assert list(b.step) == [1, 2, 3, 4]
+    pd.testing.assert_frame_equal(a, b, check_exact=False, rtol=1e-4, atol=1e-6)
+    adapters = [load_file(d / "final" / "adapter_model.safetensors") for d in (plain, moved)]
+    assert adapters[0].keys() == adapters[1].keys()
+    for name, tensor in adapters[0].items():
+        torch.testing.assert_close(adapters[1][name], tensor, rtol=0, atol=1e-6, msg=name)
+    broken = {**raw, "output_dir": str(tmp_path / "broken")}
+    with pytest.raises(KeyboardInterrupt):
+        run(broken, [Interrupt(at_step=3)])
+    run(broken)  # from checkpoint-2: the host AdamW's state as it saved it
+    pd.testing.assert_frame_equal(
+        b, pd.read_csv(tmp_path / "broken" / METRICS).drop(columns=list(TIMING),
+                                                           errors="ignore"))
+
+
 @pytest.mark.usefixtures("fake_vllm")
 def test_the_vllm_backend_serves_the_rollouts(chat_model, tmp_path, monkeypatch):
     """engine.backend: vllm routes generation to VLLMEngine (against the stand-in vllm
