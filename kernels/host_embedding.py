@@ -55,7 +55,9 @@ def check(table: torch.Tensor, ids: torch.Tensor) -> None:
         raise ValueError(f"the embedding table's rows must be contiguous (strides "
                          f"{table.stride()})")
     if ids.device.type == "cuda":
-        if not table.is_pinned():
+        # Asking the driver about the table during a CUDA graph's capture is not needed:
+        # a capture follows eager runs of the same step (the engine's warm-up), which did.
+        if not torch.cuda.is_current_stream_capturing() and not table.is_pinned():
             raise ValueError(PINNED)
     elif ids.device.type != "cpu" or not interpreting():
         raise ValueError(f"the gather runs on a CUDA device, or on the CPU under Triton's "
