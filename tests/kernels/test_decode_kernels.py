@@ -261,9 +261,12 @@ def test_lora_shrink_adds_up_its_slices_the_same_way_at_every_launch():
     assert torch.equal(split, lora_decode.lora_shrink(x, a, splits=4)), seed
     assert not lora_decode._counters(x.device).any()
     ref = x.double() @ torch.cat(a).double().T
-    torch.testing.assert_close(split.double(), ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(split, lora_decode.lora_shrink(x, a, splits=1), atol=1e-5,
-                               rtol=1e-5)
+    # fp32's error bound for a sum of n products, n u sum |x_i a_i|: a fixed tolerance
+    # failed a fresh seed on one element of a sum that cancelled.
+    bound = 200 * 2.0**-24 * (x.double().abs() @ torch.cat(a).double().abs().T)
+    assert ((split.double() - ref).abs() <= bound).all(), seed
+    unsplit = lora_decode.lora_shrink(x, a, splits=1).double()
+    assert ((split.double() - unsplit).abs() <= 2 * bound).all(), seed
 
 
 def test_lora_kernels_refuse_what_they_cannot_hold():
