@@ -128,9 +128,11 @@ BENCHMARKS = (
                        "greedy_common_prefix")),
     Benchmark("footprint", ("bench/**/footprint_*.csv",), "footprint", "qerl.bench.footprint",
               rule="bench", device="cpu", card="estimate",
-              setting=("prompts", "generations", "completion", "micro_batch", "lora_rank"),
+              setting=("prompts", "generations", "completion", "micro_batch", "lora_rank",
+                       "measures"),
               metrics=("weights", "lora", "kv_cache", "checkpointed", "layer", "logprob",
-                       "total", "measured_peak_gb")),
+                       "total", "measured_peak_gb"),
+              defaults={"measures": "none"}),  # every row before --measures
     # The CPU's time to issue one NVFP4Linear forward, beside a baseline qerl's (--baseline).
     Benchmark("host_time", ("bench/**/host_time_*.csv",), "host-time", "qerl.bench.host_time",
               method="code", setting=("layer", "M"), metrics=("host_us", "host_vs_baseline")),
