@@ -35,6 +35,7 @@ from qerl.formats.nvfp4_checkpoint import FORMAT, NVFP4Checkpoint, load_checkpoi
 from qerl.kernels.device_facts import interpreting
 from qerl.methods import METHODS
 from qerl.nn import NVFP4Linear
+from qerl.nn.host_embedding import embedding_to_host
 from qerl.nn.nvfp4_lora import register_lora_layers
 from qerl.noise import AdaptiveQuantizationNoise, AQNSettings
 from qerl.quantize import KEEP_DENSE, fusion_groups, quantize_group
@@ -118,11 +119,13 @@ class Policy:
 def build_policy(method: str, model: str | Path | None = None, *, arch: str | None = None,
                  seed: int = 0, lora: LoraSettings | None = None, aqn: AQNSettings | None = None,
                  total_steps: int | None = None, device: str | torch.device = "cpu",
-                 dtype: torch.dtype | None = None) -> Policy:
+                 dtype: torch.dtype | None = None, embedding_on_host: bool = False) -> Policy:
     """Build ``method``'s policy from ``model`` (directory, hub id, .gguf file, NVFP4
     checkpoint directory) or ``arch`` (random weights drawn from ``seed``). ``aqn`` needs
     ``total_steps``, the run's number of optimizer steps, to place its stages; its noise is
-    drawn from ``seed`` too. ``dtype``: the dense weights' (default ``compute_dtype``)."""
+    drawn from ``seed`` too. ``dtype``: the dense weights' (default ``compute_dtype``).
+    ``embedding_on_host``: the input embedding's table in host memory
+    (qerl.nn.host_embedding), never on ``device``."""
     if method not in METHODS:
         raise PolicyError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if aqn is not None and total_steps is None:
@@ -131,7 +134,7 @@ def build_policy(method: str, model: str | Path | None = None, *, arch: str | No
     if device.type == "cuda" and not torch.cuda.is_available():
         raise PolicyError("device cuda was asked for, but no CUDA GPU is available")
     base, description, extras = load_base(method, model, arch=arch, seed=seed, device=device,
-                                          dtype=dtype)
+                                          dtype=dtype, embedding_on_host=embedding_on_host)
     lora = None if method == "full" else (lora or LoraSettings())
     if lora is None:
         for p in base.parameters():
@@ -200,21 +203,22 @@ def load_adapter(policy: Policy, directory: str | Path, trainable: bool = False)
 
 def load_base(method: str, model: str | Path | None, *, arch: str | None = None,
               seed: int = 0, device: str | torch.device = "cpu",
-              dtype: torch.dtype | None = None
+              dtype: torch.dtype | None = None, embedding_on_host: bool = False
               ) -> tuple[nn.Module, str, Callable[[Path], None]]:
     """(model, description, writer of its tokenizer files) for ``method``, its dense
-    weights in ``dtype`` (default ``compute_dtype(device)``)."""
+    weights in ``dtype`` (default ``compute_dtype(device)``), the input embedding in host
+    memory with ``embedding_on_host``."""
     device = torch.device(device)
     dtype = dtype or compute_dtype(device)
     if model is not None and is_nvfp4_checkpoint(Path(model)):
         ckpt = load_checkpoint(model, device)
         config = _config_from_dict(ckpt.config)
-        built = _from_checkpoint(method, ckpt, config, device, dtype)
+        built = _from_checkpoint(method, ckpt, config, device, dtype, embedding_on_host)
         return built, f"{model} (NVFP4 checkpoint)", partial(copy_extras, Path(model))
     source = open_source(None if model is None else str(model), arch=arch, seed=seed)
     _check_architecture(source.config, source.description)
-    return (_from_source(method, source, device, dtype), source.description,
-            source.save_extras)
+    return (_from_source(method, source, device, dtype, embedding_on_host),
+            source.description, source.save_extras)
 
 
 def base_config(model: str | Path | None, *, arch: str | None = None) -> PretrainedConfig:
@@ -303,7 +307,7 @@ def _bf16_in(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _from_source(method: str, source: Source, device: torch.device,
-                 dtype: torch.dtype) -> nn.Module:
+                 dtype: torch.dtype, embedding_on_host: bool = False) -> nn.Module:
     model = _skeleton(source.config, dtype)
     names = set(source.names())
     linears = _linear_names(model)
@@ -324,14 +328,22 @@ def _from_source(method: str, source: Source, device: torch.device,
             _set_module(model, n, layer)
         del tensors, weights, quantized
     consumed = {f"{n}.{p}" for n in linears for p in ("weight", "bias")}
+    # Loaded straight into host memory: a budget's cap is on before the model is built.
+    on_host = {_input_embedding_name(model)} if embedding_on_host else set()
     for name in sorted(names - consumed):
-        t = source.load([name], device)[name]
+        t = source.load([name], torch.device("cpu") if name in on_host else device)[name]
         _set_tensor(model, name, _bf16_in(t, dtype))
-    return _finish(model, method, device, source.description, dtype)
+    return _finish(model, method, device, source.description, dtype, embedding_on_host)
+
+
+def _input_embedding_name(model: nn.Module) -> str:
+    emb = model.get_input_embeddings()
+    return next(f"{n}.weight" for n, m in model.named_modules() if m is emb)
 
 
 def _from_checkpoint(method: str, ckpt: NVFP4Checkpoint, config: PretrainedConfig,
-                     device: torch.device, dtype: torch.dtype) -> nn.Module:
+                     device: torch.device, dtype: torch.dtype,
+                     embedding_on_host: bool = False) -> nn.Module:
     model = _skeleton(config, dtype)
     for name in _linear_names(model):
         bias = ckpt.dense.get(f"{name}.bias")
@@ -348,15 +360,21 @@ def _from_checkpoint(method: str, ckpt: NVFP4Checkpoint, config: PretrainedConfi
     for name, t in ckpt.dense.items():
         if name not in linear_tensors:
             _set_tensor(model, name, _bf16_in(t, dtype))
-    return _finish(model, method, device, "the NVFP4 checkpoint", dtype)
+    return _finish(model, method, device, "the NVFP4 checkpoint", dtype, embedding_on_host)
 
 
 def _finish(model: nn.Module, method: str, device: torch.device, where: str,
-            dtype: torch.dtype) -> nn.Module:
+            dtype: torch.dtype, embedding_on_host: bool = False) -> nn.Module:
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     if method == "qlora":
         _to_nf4(model, device, dtype)
+    if embedding_on_host:
+        if method == "full":
+            raise PolicyError("method full trains the input embedding; it cannot stay in "
+                              "host memory")
+        model.get_input_embeddings().weight.requires_grad_(False)  # LoRA freezes the base
+        embedding_to_host(model)  # refuses a tied table; .to(device) below leaves it there
     model.to(device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
             if t.device.type == "meta"]

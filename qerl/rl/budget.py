@@ -228,6 +228,12 @@ def enforce(plan: Plan, device) -> str:
                           f"({total:.2f} GB)")
     fraction = (plan.budget_gb - plan.context_gb) / total
     torch.cuda.set_per_process_memory_fraction(fraction, device)
+    # Segments that grow in place instead of blocks split by earlier tensors: the first
+    # capped 7B step at 8 GB (H100, results/bench/budget_*.csv) ran out with 0.93 GB held
+    # but unusable. The setting applies to segments made from now on (the policy's first).
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    (setter or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
     return (f"enforced: torch.cuda.set_per_process_memory_fraction({fraction:.4f}) caps "
             f"torch's allocator on {device} at {fraction * total:.2f} of its {total:.2f} GB "
-            f"(the budget less the CUDA context allowance of {plan.context_gb:.2f} GB)")
+            f"(the budget less the CUDA context allowance of {plan.context_gb:.2f} GB), "
+            f"with expandable segments")

@@ -29,7 +29,6 @@ from transformers import TrainerCallback, set_seed
 
 from qerl.atomic import claim, make_directory
 from qerl.config import ConfigError, TrainConfig
-from qerl.nn.host_embedding import embedding_to_host
 from qerl.policy import build_policy
 from qerl.record import provenance, version
 from qerl.rl.budget import Plan, enforce, fit
@@ -133,9 +132,8 @@ def build_trainer(config: TrainConfig, callbacks: list | None = None):
                      level=data.level, size=data.size, seed=config.seed)
     policy = build_policy(config.method, config.model, arch=config.arch, seed=config.seed,
                           lora=config.lora, aqn=config.aqn if aqn_on else None,
-                          total_steps=config.train.max_steps, device=_process_device(device))
-    if config.offload.embedding:
-        embedding_to_host(policy.base_model)
+                          total_steps=config.train.max_steps, device=_process_device(device),
+                          embedding_on_host=config.offload.embedding)
     make_directory(config.output_dir)
     if plan is not None and _main_rank():
         (config.output_dir / MEMORY_PLAN).write_text(json.dumps(plan.as_dict(), indent=2))
