@@ -147,11 +147,8 @@ class RandomWeights:
             return torch.ones(shape, dtype=torch.bfloat16, device=device)
         gen = torch.Generator(device=device).manual_seed(self.seed ^ zlib.crc32(name.encode()))
         std = self.config.initializer_range
-        # Drawn in bf16, not drawn in fp32 and cast: the fp32 draw beside its bf16 copy is
-        # three times the table at once, which a budget's cap (on while the model is built)
-        # refused for 7B's lm_head (results/bench/budget_*.csv, 7B at 8 GB on the H100).
-        return torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(
-            0, std, generator=gen)
+        t = torch.empty(shape, dtype=torch.float32, device=device).normal_(0, std, generator=gen)
+        return t.to(torch.bfloat16)
 
     def save_extras(self, directory):
         """No tokenizer can be reached for random-weight models; none is written."""
