@@ -328,17 +328,15 @@ def _from_source(method: str, source: Source, device: torch.device,
             _set_module(model, n, layer)
         del tensors, weights, quantized
     consumed = {f"{n}.{p}" for n in linears for p in ("weight", "bias")}
-    # Loaded straight into host memory: a budget's cap is on before the model is built.
-    on_host = {_input_embedding_name(model)} if embedding_on_host else set()
+    # The rest (embeddings, lm_head, norms) made in host memory and cast there, and moved by
+    # _finish: a budget's cap is on while the model is built, and random weights are drawn
+    # in fp32 before the cast (7B's lm_head drawn on the GPU beside its bf16 copy ran a
+    # capped build out of memory: results/bench/budget_*.csv, 7B at 8 GB on the H100); an
+    # input embedding kept in host memory never reaches the GPU.
     for name in sorted(names - consumed):
-        t = source.load([name], torch.device("cpu") if name in on_host else device)[name]
+        t = source.load([name], torch.device("cpu"))[name]
         _set_tensor(model, name, _bf16_in(t, dtype))
     return _finish(model, method, device, source.description, dtype, embedding_on_host)
-
-
-def _input_embedding_name(model: nn.Module) -> str:
-    emb = model.get_input_embeddings()
-    return next(f"{n}.weight" for n, m in model.named_modules() if m is emb)
 
 
 def _from_checkpoint(method: str, ckpt: NVFP4Checkpoint, config: PretrainedConfig,
