@@ -229,8 +229,9 @@ def enforce(plan: Plan, device) -> str:
     fraction = (plan.budget_gb - plan.context_gb) / total
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     # Segments that grow in place instead of blocks split by earlier tensors: the first
-    # capped 7B step at 8 GB (H100, results/bench/budget_*.csv) ran out with 0.93 GB held
-    # but unusable. The setting applies to segments made from now on (the policy's first).
+    # capped 7B run at 8 GB (H100, results/bench/budget_*.csv) ran out while building its
+    # model with 0.93 GB held but unusable. The setting applies to segments made from now
+    # on (the policy's first).
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     (setter or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
     return (f"enforced: torch.cuda.set_per_process_memory_fraction({fraction:.4f}) caps "
