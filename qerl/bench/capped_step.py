@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     from qerl.kernels import compute_capability
     from qerl.record import append_rows, per_card, provenance
     from qerl.report.run import summary
-    from qerl.rl.budget import CUDA_CONTEXT_GB
+    from qerl.rl.budget import CUDA_CONTEXT_GB, measures_label
 
     if not torch.cuda.is_available():
         raise SystemExit("qerl bench budget: needs a CUDA GPU (none found)")
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
             free.put(uuid)
         return {**child_result(done), "needs_gb": round(plan.needs_gb, 2),
                 "rollout_batch": plan.rollout_batch, "micro_batch": plan.micro_batch,
-                "measures": "+".join(plan.measures) or "none"}
+                "measures": measures_label(plan.measures)}
 
     def pair(model: str, method: str) -> list[dict]:
         budgets = budgets_to_run(args, model, method, card_gb)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from qerl.help_format import HelpFormatter
 from qerl.methods import LORA_METHODS
-from qerl.rl.budget import STEP_FIELDS, measures_for
-from qerl.rl.footprint import Step, step_memory
+from qerl.rl.budget import measures_for, measures_label, with_measures
+from qerl.rl.footprint import Step
 
 
 def estimate(arch: str, method: str, prompts: int, generations: int, completion: int,
@@ -35,9 +35,8 @@ def estimate(arch: str, method: str, prompts: int, generations: int, completion:
     budget's ``measures`` (qerl.rl.budget.MEASURES) taken."""
     from qerl.archs import config_for
 
-    taken = {STEP_FIELDS[m]: True for m in measures}
-    return step_memory(config_for(arch), Step(method, prompts * generations, micro_batch,
-                                              prompt_len, completion, rank, **taken))
+    return with_measures(config_for(arch), Step(method, prompts * generations, micro_batch,
+                                                prompt_len, completion, rank), measures)
 
 
 def measured_peaks(path: Path):
@@ -93,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
                         "model": arch, "method": method, "prompts": args.prompts,
                         "generations": args.generations, "completion": args.completion,
                         "micro_batch": micro_batch, "lora_rank": args.rank,
-                        "measures": "+".join(measures) or "none",
+                        "measures": measures_label(measures),
                         **{k: round(v, 2) for k, v in estimate(
                             arch, method, args.prompts, args.generations, args.completion,
                             micro_batch, args.prompt_len, args.rank, measures).items()},

@@ -30,7 +30,7 @@ footprint does not model.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from qerl.config import TrainConfig
 from qerl.rl.footprint import GB, Step, step_memory
@@ -56,6 +56,17 @@ MEASURES = ("offload.embedding", "engine.release_cache", "offload.optimizer")
 STEP_FIELDS = {"offload.embedding": "embedding_on_host",
                "engine.release_cache": "cache_released",
                "offload.optimizer": "optimizer_on_host"}
+
+
+def with_measures(model_config, step: Step, measures: tuple[str, ...]) -> dict[str, float]:
+    """The footprint terms (GB) of ``step`` of a model of ``model_config`` with
+    ``measures`` (MEASURES) taken."""
+    return step_memory(model_config, replace(step, **{STEP_FIELDS[m]: True for m in measures}))
+
+
+def measures_label(measures: tuple[str, ...]) -> str:
+    """``measures`` as a row names them: "+"-joined, or none."""
+    return "+".join(measures) or "none"
 
 
 class BudgetError(ConfigError):
@@ -146,9 +157,8 @@ def plan_step(model_config, *, budget_gb: float, method: str, completions: int,
                           f"{budget_gb} GB, {completions}, {max_micro_batch}")
 
     def needs(measures: tuple[str, ...], sequences: int, micro_batch: int) -> dict[str, float]:
-        taken = {STEP_FIELDS[m]: True for m in measures}
-        return step_memory(model_config, Step(method, sequences, micro_batch, prompt_len,
-                                              completion, rank, optimizer, **taken))
+        return with_measures(model_config, Step(method, sequences, micro_batch, prompt_len,
+                                                completion, rank, optimizer), measures)
 
     def fits(measures: tuple[str, ...], sequences: int, micro_batch: int) -> bool:
         return driver_gb(needs(measures, sequences, micro_batch), context_gb) <= budget_gb
