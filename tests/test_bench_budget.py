@@ -65,6 +65,37 @@ def test_the_whole_card_runs_only_where_some_budget_fits():
     assert capped_step.budgets_to_run(args, "qwen2.5-32b", "qerl", 79.6) == [79.6, 32.0]
 
 
+def test_whole_card_only_or_earlier_splits_the_comparison_over_two_runs(tmp_path):
+    """A step too long for one call: the whole card's alone, then the budgets' compared
+    with the newest whole-card step of the same card, model, method and settings."""
+    only = capped_step.parse(["--memory-gb", "32", "--whole-card", "only"])
+    earlier = capped_step.parse(["--memory-gb", "32", "--whole-card", "earlier"])
+    assert capped_step.budgets_to_run(only, "qwen2.5-32b", "qerl", 79.6) == [79.6]
+    assert capped_step.budgets_to_run(earlier, "qwen2.5-32b", "qerl", 79.6) == [32.0]
+    settings = {"card": "H100", "model": "qwen2.5-32b", "method": "qerl", "lora_rank": 32,
+                "prompts": 1, "generations": 8, "completion": 2048, "prompt_tokens": 64,
+                "kernel_arch": "sm_89", "kv_cache": "bf16"}
+    path = tmp_path / "budget_H100.csv"
+    pd.DataFrame([
+        {**settings, "run": "old", "whole_card": 1, "status": "ok", "step_s": 70.0},
+        {**settings, "run": "new", "whole_card": 1, "status": "ok", "step_s": 80.0},
+        {**settings, "run": "failed", "whole_card": 1, "status": "oom", "step_s": None},
+        {**settings, "run": "other", "completion": 512, "whole_card": 1, "status": "ok",
+         "step_s": 20.0},
+        {**settings, "run": "capped", "whole_card": 0, "status": "ok", "step_s": 90.0},
+    ]).to_csv(path, index=False)
+    found = capped_step.earlier_whole_card(path, settings)
+    assert (found["run"], found["step_s"]) == ("new", 80.0)
+    assert capped_step.earlier_whole_card(path, {**settings, "kernel_arch": "sm_80"}) is None
+    assert capped_step.earlier_whole_card(tmp_path / "none.csv", settings) is None
+    rows = capped_step.pair_rows({"run": "this"}, 79.6, [(32.0, {"status": "ok",
+                                                                 "step_s": 100.0})], found)
+    assert (rows[0]["time_vs_uncapped"], rows[0]["uncapped_run"]) == (1.25, "new")
+    alone = capped_step.pair_rows({"run": "this"}, 79.6, [(32.0, {"status": "ok",
+                                                                  "step_s": 100.0})])
+    assert (alone[0]["time_vs_uncapped"], alone[0]["uncapped_run"]) == (None, None)
+
+
 def test_the_driver_peak_is_the_most_in_use_above_the_start(monkeypatch):
     """NVML stood in for: 3 GB in use before, then 5, 9 and 4 GB: the peak is 6 GB."""
     readings = iter([3e9, 5e9, 9e9, *[4e9] * 10_000])

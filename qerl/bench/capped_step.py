@@ -4,12 +4,18 @@ budget (qerl.rl.budget) and trained, with torch capped to it, as `qerl bench ste
 (random weights at the real shapes, P prompts x G completions of L tokens); its peak is
 measured as the driver sees it (NVML) and as torch does. Each (model, method) also runs
 planned for the whole card (its memory, less the same allowance), in the same run: the
-time the capped steps are compared with (``time_vs_uncapped``).
+time the capped steps are compared with (``time_vs_uncapped``). Where one call cannot hold
+both (a GPU lent by the job, a 72B step), ``--whole-card only`` measures the whole card's
+step alone, and a later ``--whole-card earlier`` compares its capped steps with the newest
+whole-card step of the same card, model, method and settings in the CSV (its run named in
+``uncapped_run``).
 
     qerl bench budget                       # Qwen2.5 7B-72B x 8/16/32/56 GB x lora, qlora, qerl
     qerl bench budget --archs qwen2.5-7b --memory-gb 8,16 --methods qerl --completion 512
     qerl bench budget --kernel-arch sm_89   # the kernels an RTX 4090 runs (QERL_KERNEL_ARCH)
     qerl bench budget --gpus 0,1,2,3        # (model, method) pairs spread over four GPUs
+    qerl bench budget --archs qwen2.5-72b --memory-gb 56 --whole-card only   # then:
+    qerl bench budget --archs qwen2.5-72b --memory-gb 56 --whole-card earlier
 
 A row's status: ok (ran, and the driver's peak stayed within the budget), over (ran within
 torch's cap, but the driver's peak passed the budget: more than the context allowance was
@@ -45,6 +51,9 @@ from qerl.methods import LORA_METHODS
 
 ARCHS = ("qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b")
 BUDGETS = "8,16,32,56"
+# What makes two rows' steps the same step (beside card, model and method).
+SETTINGS = ("lora_rank", "prompts", "generations", "completion", "prompt_tokens", "kernel_arch",
+            "kv_cache")
 MEASURED = ("status", "steps_measured", "step_s", "nvml_peak_gb", "torch_peak_gb",
             "torch_reserved_gb", "error")
 
@@ -66,6 +75,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                                                     "pairs over, e.g. 0,1,2,3")
     parser.add_argument("--kernel-arch", help="choose the kernels as on this older "
                                               "architecture (e.g. sm_89, sm_80)")
+    parser.add_argument("--whole-card", choices=("also", "only", "earlier"), default="also",
+                        help="the whole card's step: measured in this run beside the "
+                             "budgets', alone, or taken from an earlier run in the CSV")
     parser.add_argument("--child", nargs=4, metavar=("MODEL", "METHOD", "GB", "UUID"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -100,10 +112,27 @@ def budgets_to_run(args: argparse.Namespace, model: str, method: str,
                    card_gb: float) -> list[float]:
     """The budgets one (model, method) runs at, the whole card's first: the step a capped
     one is compared with, measured only where some budget's plan fits (a refusal runs
-    nothing, so it needs no comparison)."""
+    nothing, so it needs no comparison), and as ``--whole-card`` says."""
     fits = any(not isinstance(planned(args, model, method, b), Exception)
                for b in args.budget_list)
-    return [card_gb, *args.budget_list] if fits else list(args.budget_list)
+    whole = [card_gb] if fits and args.whole_card != "earlier" else []
+    return whole if args.whole_card == "only" else [*whole, *args.budget_list]
+
+
+def earlier_whole_card(path, prefix: dict) -> dict | None:
+    """The newest whole-card row in the CSV at ``path`` that ran (status ok) with the card,
+    model, method and settings of ``prefix``, or None."""
+    import pandas as pd
+
+    if not path.is_file():
+        return None
+    frame = pd.read_csv(path)
+    same = frame[(frame.whole_card == 1) & (frame.status == "ok")]
+    for key in ("card", "model", "method", *SETTINGS):
+        if key not in same:  # rows from before the setting was recorded: not the same step
+            return None
+        same = same[same[key] == prefix[key]]
+    return None if same.empty else same.iloc[-1].to_dict()
 
 
 def measure_capped(args: argparse.Namespace, model: str, method: str, budget_gb: float,
@@ -127,17 +156,20 @@ def verdict(row: dict, budget_gb: float) -> str:
     return row.get("status") or "failed"
 
 
-def pair_rows(prefix: dict, card_gb: float, measured: list[tuple[float, dict]]) -> list[dict]:
+def pair_rows(prefix: dict, card_gb: float, measured: list[tuple[float, dict]],
+              earlier: dict | None = None) -> list[dict]:
     """The rows of one (model, method) from ``measured``, (budget, result) pairs, the whole
-    card's first: each with its verdict and its time against the whole card's step."""
+    card's first: each with its verdict and its time against the whole card's step, this
+    run's or else ``earlier``'s (a row of an earlier run)."""
     rows = [{**prefix, "memory_gb": budget_gb, "whole_card": int(budget_gb == card_gb),
              **{k: result.get(k) for k in ("needs_gb", "rollout_batch", "micro_batch",
                                            "measures", *MEASURED)},
              "status": verdict(result, budget_gb)} for budget_gb, result in measured]
-    whole = rows[0]
-    uncapped = whole["step_s"] if whole["whole_card"] and whole["status"] == "ok" else None
+    whole = rows[0] if rows and rows[0]["whole_card"] else earlier
+    uncapped = whole["step_s"] if whole and whole["status"] == "ok" else None
     for row in rows:
         row["uncapped_step_s"] = uncapped
+        row["uncapped_run"] = whole.get("run") if uncapped else None
         row["time_vs_uncapped"] = (round(row["step_s"] / uncapped, 3)
                                    if uncapped and row["step_s"] else None)
     return rows
@@ -204,9 +236,16 @@ def main(argv: list[str] | None = None) -> None:
                 "measures": measures_label(plan.measures)}
 
     def pair(model: str, method: str) -> list[dict]:
-        budgets = budgets_to_run(args, model, method, card_gb)
-        return pair_rows({**base, "model": model, "method": method, **settings}, card_gb,
-                         [(b, run(model, method, b)) for b in budgets])
+        prefix = {**base, "model": model, "method": method, **settings}
+        earlier = None
+        if args.whole_card == "earlier":
+            earlier = earlier_whole_card(path, prefix)
+            if earlier is None:
+                print(f"qerl bench budget: no whole-card step of {model} {method} with these "
+                      f"settings in {path}: its capped steps' time_vs_uncapped left empty")
+        return pair_rows(prefix, card_gb, [(b, run(model, method, b))
+                                           for b in budgets_to_run(args, model, method, card_gb)],
+                         earlier)
 
     jobs = [(m, method) for m in args.archs.split(",") for method in args.methods.split(",")]
     with ThreadPoolExecutor(max_workers=len(gpus)) as pool:
