@@ -37,6 +37,7 @@ import triton.language as tl
 from qerl.kernels import compute_capability
 from qerl.kernels import device_facts as facts
 from qerl.kernels import nvfp4_layout as layout
+from qerl.kernels.e4m3 import e4m3_as, e4m3_operand
 
 MAX_SPLIT_K = 16  # so that a consumer can sum the partials unrolled (lora_decode)
 # E2M1 magnitude placed as fp16 bits is E2M1 * 2^-14.
@@ -119,54 +120,30 @@ def _group_values(words):
 
 
 @triton.jit
-def _e4m3_value(bits):
-    """E4M3 scales' bits (uint8) -> their values, fp32: exponent 0 is subnormal, m * 2^-9,
-    else (8 + m) * 2^(e - 10). (No NaN: a block scale is at most 448.)"""
-    b = bits.to(tl.int32)
-    e = (b >> 3) & 15
-    m = b & 7
-    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    value = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-    return tl.where(b >= 128, -value, value)
-
-
-@triton.jit
-def _scale_as(s, dtype: tl.constexpr, FP8: tl.constexpr):
-    """Block scales as loaded -> ``dtype``: fp8 by the hardware's conversion (FP8), or E4M3
-    bits (uint8) decoded, where the card has no conversion (compute_capability)."""
-    # A constexpr branch, so that the other is not compiled (no fp8 type before sm_89).
-    if FP8:  # noqa: SIM108
-        value = s.to(dtype)
-    else:
-        value = _e4m3_value(s).to(dtype)
-    return value
-
-
-@triton.jit
 def _scaled_groups(words, s_lo, s_hi, ASM: tl.constexpr, BF16: tl.constexpr,
                    PRE: tl.constexpr, FP8: tl.constexpr):
-    """Words [R, 4] as stored and scales [R] (see _scale_as) -> (low group * s_lo, high
+    """Words [R, 4] as stored and scales [R] (see e4m3_as) -> (low group * s_lo, high
     group * s_hi), [R, 16] each in k order: 16-bit (x's dtype) by PTX, or fp32 under the
     interpreter."""
     if ASM:
         if BF16:
-            s_lo = tl.broadcast_to((_scale_as(s_lo, tl.float32, FP8) * PRE).to(tl.bfloat16)
+            s_lo = tl.broadcast_to((e4m3_as(s_lo, tl.float32, FP8) * PRE).to(tl.bfloat16)
                                    [:, None], words.shape)
-            s_hi = tl.broadcast_to((_scale_as(s_hi, tl.float32, FP8) * PRE).to(tl.bfloat16)
+            s_hi = tl.broadcast_to((e4m3_as(s_hi, tl.float32, FP8) * PRE).to(tl.bfloat16)
                                    [:, None], words.shape)
             c = tl.inline_asm_elementwise(DECODE_BF16, CONSTRAINTS, [words, s_lo, s_hi],
                                           dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
         else:
-            s_lo = tl.broadcast_to(_scale_as(s_lo, tl.float16, FP8)[:, None], words.shape)
-            s_hi = tl.broadcast_to(_scale_as(s_hi, tl.float16, FP8)[:, None], words.shape)
+            s_lo = tl.broadcast_to(e4m3_as(s_lo, tl.float16, FP8)[:, None], words.shape)
+            s_hi = tl.broadcast_to(e4m3_as(s_hi, tl.float16, FP8)[:, None], words.shape)
             c = tl.inline_asm_elementwise(DECODE_FP16, CONSTRAINTS, [words, s_lo, s_hi],
                                           dtype=(tl.float16,) * 8, is_pure=True, pack=1)
         lo = _k_order(c[0], c[1], c[2], c[3])
         hi = _k_order(c[4], c[5], c[6], c[7])
     else:
         lo, hi = _group_values(words)
-        lo = lo * _scale_as(s_lo, tl.float32, FP8)[:, None]
-        hi = hi * _scale_as(s_hi, tl.float32, FP8)[:, None]
+        lo = lo * e4m3_as(s_lo, tl.float32, FP8)[:, None]
+        hi = hi * e4m3_as(s_hi, tl.float32, FP8)[:, None]
     return lo, hi
 
 
@@ -315,9 +292,9 @@ def nvfp4_dequant_kernel(words_ptr, scale_ptr, global_scale_ptr, out_ptr, N, K,
     global_scale = tl.load(global_scale_ptr)
     # Correctly rounded scale / global_scale, as the reference divides.
     w_lo = (tl.reshape(lo, (BLOCK_N, PAIRS, 16))
-            * tl.math.div_rn(_scale_as(s_lo, tl.float32, FP8), global_scale)[:, :, None])
+            * tl.math.div_rn(e4m3_as(s_lo, tl.float32, FP8), global_scale)[:, :, None])
     w_hi = (tl.reshape(hi, (BLOCK_N, PAIRS, 16))
-            * tl.math.div_rn(_scale_as(s_hi, tl.float32, FP8), global_scale)[:, :, None])
+            * tl.math.div_rn(e4m3_as(s_hi, tl.float32, FP8), global_scale)[:, :, None])
     k_lo = p[None, :, None] * 32 + j[None, None, :]
     out = out_ptr + offs_n[:, None, None] * stride_on + k_lo
     tl.store(out, w_lo.to(out_ptr.dtype.element_ty), mask=n_ok & (k_lo < K))
@@ -367,12 +344,6 @@ def _kernel_flags(dtype: torch.dtype, device: torch.device) -> dict:
             "FP8": compute_capability.converts_fp8(device)}
 
 
-def _scale_operand(scale: torch.Tensor) -> torch.Tensor:
-    """The block scales as the kernels read them on their device: fp8 where the hardware
-    converts it, else their E4M3 bits (compute_capability.converts_fp8)."""
-    return scale if compute_capability.converts_fp8(scale.device) else scale.view(torch.uint8)
-
-
 def fused(op: str, a2, n: int, k: int, pairs, scale, global_scale, bias=None):
     """The Triton kernel's split-K partial sums [S, M, cols] of op (fwd | bwd)."""
     m = a2.shape[0]
@@ -387,13 +358,13 @@ def fused(op: str, a2, n: int, k: int, pairs, scale, global_scale, bias=None):
     m_tiles = triton.cdiv(m, cfg.block_m)
     if op == "fwd":
         grid = (triton.cdiv(n, cfg.block_c), cfg.split_k, m_tiles)
-        nvfp4_fwd_kernel[grid](a2, words, _scale_operand(scale), global_scale,
+        nvfp4_fwd_kernel[grid](a2, words, e4m3_operand(scale), global_scale,
                                bias if bias is not None else global_scale, out, m, n, k,
                                *strides, HAS_BIAS=bias is not None, PAIRS=cfg.pairs,
                                EVEN_K=k % (32 * cfg.pairs) == 0, **meta)
     else:
         grid = (triton.cdiv(k, 32), cfg.split_k, m_tiles)
-        nvfp4_bwd_kernel[grid](a2, words, _scale_operand(scale), global_scale, out, m, n, k,
+        nvfp4_bwd_kernel[grid](a2, words, e4m3_operand(scale), global_scale, out, m, n, k,
                                *strides, **meta)
     return out
 
@@ -406,7 +377,7 @@ def dequantize(pairs: torch.Tensor, scale: torch.Tensor, global_scale: torch.Ten
     block_n, chunk_pairs = 32, 8
     grid = (triton.cdiv(n, block_n), triton.cdiv(k, 32 * chunk_pairs))
     words = pairs.view(torch.int32)
-    nvfp4_dequant_kernel[grid](words, _scale_operand(scale), global_scale, out, n, k,
+    nvfp4_dequant_kernel[grid](words, e4m3_operand(scale), global_scale, out, n, k,
                                words.stride(0), scale.stride(0), out.stride(0),
                                FP8=compute_capability.converts_fp8(pairs.device),
                                BLOCK_N=block_n, PAIRS=chunk_pairs, num_warps=4)
