@@ -21,6 +21,12 @@ only on (pad, slot), so every run gives the same bits.
 
 Scores are taken in base 2 (q k^T * scale * log2 e, then exp2), as flash attention does;
 the probabilities are rounded to v's dtype before p @ v, as there too.
+
+An fp8 cache (qerl/formats/kv_cache.py) is read as E4M3 and converted to q's dtype, exactly
+(kernels/e4m3.py); its power-of-two scales, one per (sequence, kv head) and so one a
+program, multiply the scores and the partial output instead of every element. Scaling by
+a power of two is exact, so that is attention over the dequantized cache, the values a
+prefill's SDPA reads, with half the bytes to load.
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from qerl.formats import kv_cache
 from qerl.kernels.device_facts import interpreting, num_sms
+from qerl.kernels.e4m3 import e4m3_as, e4m3_operand
 from qerl.kernels.rounding import round_as
 
 WAVES = 3  # programs per SM that the split aims at
@@ -41,13 +49,15 @@ MAX_HEAD_DIM = 256
 
 
 @triton.jit
-def decode_split_kernel(q_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, m_ptr, l_ptr, acc_ptr,
-                        KVH, G, S, qk_scale, stride_qb, stride_qh, stride_pad,
-                        stride_cb, stride_ch, stride_cs,
+def decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pad_ptr, slot_ptr, m_ptr, l_ptr,
+                        acc_ptr, KVH, G, S, qk_scale, stride_qb, stride_qh, stride_pad,
+                        stride_cb, stride_ch, stride_cs, stride_sb, stride_sh,
                         D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
-                        FP32_DOTS: tl.constexpr):
+                        FP32_DOTS: tl.constexpr, QUANTIZED: tl.constexpr, FP8: tl.constexpr):
     """Program (b * KVH + kv head, split): partials of rows b * H + kv head * G + g, split
-    ``split``, in workspaces [B * H, NSPLIT] (m, l) and [B * H, NSPLIT, D] (acc)."""
+    ``split``, in workspaces [B * H, NSPLIT] (m, l) and [B * H, NSPLIT, D] (acc).
+    QUANTIZED: the cache is E4M3 (FP8: read by the hardware's conversion, else as bits)
+    with scales [B, KVH] at ks_ptr and vs_ptr."""
     bh = tl.program_id(0).to(tl.int64)  # int64: offsets into caches over 2^31 elements
     split = tl.program_id(1)
     splits = tl.num_programs(1)
@@ -68,6 +78,8 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, m_ptr, l_ptr, ac
                 mask=g_ok[:, None], other=0.0)
     k_head = k_ptr + b * stride_cb + kv_head * stride_ch
     v_head = v_ptr + b * stride_cb + kv_head * stride_ch
+    if QUANTIZED:  # the keys' scale into the scores', exactly (a power of two)
+        qk_scale = qk_scale * tl.load(ks_ptr + b * stride_sb + kv_head * stride_sh)
     m = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
     total = tl.zeros((G_PAD,), dtype=tl.float32)
     acc = tl.zeros((G_PAD, D), dtype=tl.float32)
@@ -79,6 +91,8 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, m_ptr, l_ptr, ac
         at = s[:, None] * stride_cs + d[None, :]
         k = tl.load(k_head + at, mask=live[:, None], other=0.0)
         v = tl.load(v_head + at, mask=live[:, None], other=0.0)
+        if QUANTIZED:
+            k, v = e4m3_as(k, q.dtype, FP8), e4m3_as(v, q.dtype, FP8)
         if FP32_DOTS:
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)),
                             input_precision="ieee") * qk_scale
@@ -96,6 +110,8 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, pad_ptr, slot_ptr, m_ptr, l_ptr, ac
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m = m_new
 
+    if QUANTIZED:
+        acc = acc * tl.load(vs_ptr + b * stride_sb + kv_head * stride_sh)
     # A split with no live slot stores m = -inf, l = 0, acc = 0: the combine skips it.
     row = (b * KVH + kv_head) * G + g  # = b * H + q head
     part = row * splits + split
@@ -142,7 +158,9 @@ def supports(head_dim: int) -> bool:
     return 16 <= head_dim <= MAX_HEAD_DIM and not head_dim & (head_dim - 1)
 
 
-def _check(q, k_cache, v_cache, pad, slot) -> None:
+def _check(q, k_cache, v_cache, pad, slot, k_scale, v_scale) -> bool:
+    """Whether the cache is fp8 (kv_cache.check_layer); ValueError for what the kernels
+    cannot take."""
     if q.dim() != 4 or q.shape[2] != 1:
         raise ValueError(f"q must be [B, H, 1, D] (one decode step), got {tuple(q.shape)}")
     batch, heads, _, head_dim = q.shape
@@ -163,7 +181,10 @@ def _check(q, k_cache, v_cache, pad, slot) -> None:
                          f"and {v_cache.stride()}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("the last dim (head_dim) of q and of the caches must have stride 1")
-    if not q.dtype == k_cache.dtype == v_cache.dtype:
+    fp8 = kv_cache.check_layer(k_cache, v_cache, k_scale, v_scale)
+    if fp8 and q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"q must be fp32, bf16 or fp16 over an fp8 cache, got {q.dtype}")
+    if not fp8 and not q.dtype == k_cache.dtype == v_cache.dtype:
         raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k_cache.dtype}, "
                          f"{v_cache.dtype}")
     if pad.shape != (batch,) or pad.dtype != torch.int64:
@@ -172,19 +193,23 @@ def _check(q, k_cache, v_cache, pad, slot) -> None:
     if slot.dim() != 0 or slot.dtype != torch.int64:
         raise ValueError(f"slot must be a 0-dim int64 tensor, got {tuple(slot.shape)} "
                          f"{slot.dtype}")
-    devices = {t.device for t in (q, k_cache, v_cache, pad, slot)}
+    scales = (k_scale, v_scale) if fp8 else ()
+    devices = {t.device for t in (q, k_cache, v_cache, pad, slot, *scales)}
     if len(devices) != 1:
-        raise ValueError(f"q, the caches, pad and slot must be on one device, got {devices}")
+        raise ValueError(f"q, the caches (their scales), pad and slot must be on one device, "
+                         f"got {devices}")
+    return fp8
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      pad: torch.Tensor, slot: torch.Tensor, scale: float, *,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                      splits: int | None = None) -> torch.Tensor:
-    """q [B, H, 1, D], the layer's cache [B, KVH, S, D] (any strides, last one 1), pad [B]
-    int64, slot a 0-dim int64 tensor (device): the query of each sequence attends over slots
-    pad[b] <= s <= slot -> [B, H, 1, D] in q's dtype. ``splits`` (NSPLIT) overrides the
-    launch policy (tests)."""
-    _check(q, k_cache, v_cache, pad, slot)
+    """q [B, H, 1, D], the layer's cache [B, KVH, S, D] (any strides, last one 1; an fp8
+    one with its scales [B, KVH]), pad [B] int64, slot a 0-dim int64 tensor (device): the
+    query of each sequence attends over slots pad[b] <= s <= slot -> [B, H, 1, D] in q's
+    dtype. ``splits`` (NSPLIT) overrides the launch policy (tests)."""
+    fp8 = _check(q, k_cache, v_cache, pad, slot, k_scale, v_scale)
     batch, heads, _, head_dim = q.shape
     kv_heads, span = k_cache.shape[1:3]
     group = heads // kv_heads
@@ -204,12 +229,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # fp32 dots (not TF32) for fp32, and under the interpreter, which computes 16-bit
     # tl.dot wrongly (as kernels/lora_decode.py notes).
     fp32_dots = q.dtype == torch.float32 or interpreting()
+    if fp8:
+        k_cache, v_cache = e4m3_operand(k_cache), e4m3_operand(v_cache)
+    scales = (k_scale, v_scale, *k_scale.stride()) if fp8 else (pad, pad, 0, 0)  # unread
     decode_split_kernel[(rows, nsplit)](
-        q, k_cache, v_cache, pad, slot, m, sums, acc, kv_heads, group, span,
-        scale * math.log2(math.e),
-        q.stride(0), q.stride(1), pad.stride(0), *k_cache.stride()[:3], D=head_dim,
+        q, k_cache, v_cache, *scales[:2], pad, slot, m, sums, acc, kv_heads, group, span,
+        scale * math.log2(math.e), q.stride(0), q.stride(1), pad.stride(0),
+        *k_cache.stride()[:3], *scales[2:], D=head_dim,
         G_PAD=max(16, triton.next_power_of_2(group)), BLOCK_S=block_s, FP32_DOTS=fp32_dots,
-        num_warps=4, num_stages=2)
+        QUANTIZED=fp8, FP8=fp8 and k_cache.dtype != torch.uint8, num_warps=4, num_stages=2)
     # A combine program holds SPLITS_PAD x D fp32: one warp up to 8 x 128 of them (four
     # warps were slower on so little work), more only to avoid spills.
     splits_pad = triton.next_power_of_2(nsplit)
@@ -219,9 +247,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-def reference_decode_attention(q, k_cache, v_cache, pad, slot, scale) -> torch.Tensor:
+def reference_decode_attention(q, k_cache, v_cache, pad, slot, scale, k_scale=None,
+                               v_scale=None) -> torch.Tensor:
     """The same with torch's scaled_dot_product_attention and a boolean mask (the
-    reference)."""
+    reference), over an fp8 cache dequantized."""
+    if kv_cache.check_layer(k_cache, v_cache, k_scale, v_scale):
+        k_cache = kv_cache.dequantize(k_cache, k_scale, q.dtype)
+        v_cache = kv_cache.dequantize(v_cache, v_scale, q.dtype)
     s = torch.arange(k_cache.shape[2], device=q.device)
     visible = (s[None, :] >= pad[:, None]) & (s[None, :] <= slot)
     return F.scaled_dot_product_attention(q, k_cache, v_cache,

@@ -7,6 +7,10 @@ update: a dozen kernels per layer and step. This one reads each head once and ro
 theirs does (after each product and after the sum), so its numbers are theirs.
 
 Rows are tokens m = b * T + t of a [B, T] batch; token t goes to cache slot ``slots[t]``.
+
+An fp8 cache (qerl/formats/kv_cache.py) takes each key and value divided by its (sequence,
+kv head)'s power-of-two scale (exact) and rounded once, to E4M3 (kernels/e4m3.py), where a
+bf16 one takes it as it is.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qerl.formats import kv_cache
+from qerl.kernels.e4m3 import e4m3_bits
 from qerl.kernels.rounding import round_as
 
 
@@ -38,12 +44,20 @@ def _rotate(x_ptr, cos_ptr, sin_ptr, HALF, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _store(ptr, x, scale_ptr, ok, FP8: tl.constexpr):
+    """x (a head's half) into the cache: as it is, or its E4M3 bits at the head's scale."""
+    if FP8:
+        x = e4m3_bits(tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr)))
+    tl.store(ptr, x, mask=ok)
+
+
+@triton.jit
 def rotary_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, q_out_ptr,
-                        kc_ptr, vc_ptr, T, HEADS, HALF,
+                        kc_ptr, vc_ptr, ks_ptr, vs_ptr, T, HEADS, HALF,
                         stride_q, stride_k, stride_v, stride_cs,
                         stride_qb, stride_qh, stride_qt,
-                        stride_cb, stride_ch, stride_cs_slot,
-                        BLOCK: tl.constexpr):
+                        stride_cb, stride_ch, stride_cs_slot, stride_sb, stride_sh,
+                        BLOCK: tl.constexpr, FP8: tl.constexpr):
     m = tl.program_id(0)
     h = tl.program_id(1)
     b = m // T
@@ -60,19 +74,23 @@ def rotary_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, q_out_
         kh = h - HEADS
         slot = tl.load(slots_ptr + t)
         dest = b.to(tl.int64) * stride_cb + kh * stride_ch + slot * stride_cs_slot
+        scale = b * stride_sb + kh * stride_sh
         lo, hi, i, ok = _rotate(k_ptr + m.to(tl.int64) * stride_k + kh * 2 * HALF, cos, sin,
                                 HALF, BLOCK)
-        tl.store(kc_ptr + dest + i, lo, mask=ok)
-        tl.store(kc_ptr + dest + HALF + i, hi, mask=ok)
+        _store(kc_ptr + dest + i, lo, ks_ptr + scale, ok, FP8)
+        _store(kc_ptr + dest + HALF + i, hi, ks_ptr + scale, ok, FP8)
         v_row = v_ptr + m.to(tl.int64) * stride_v + kh * 2 * HALF
-        tl.store(vc_ptr + dest + i, tl.load(v_row + i, mask=ok), mask=ok)
-        tl.store(vc_ptr + dest + HALF + i, tl.load(v_row + HALF + i, mask=ok), mask=ok)
+        _store(vc_ptr + dest + i, tl.load(v_row + i, mask=ok), vs_ptr + scale, ok, FP8)
+        _store(vc_ptr + dest + HALF + i, tl.load(v_row + HALF + i, mask=ok), vs_ptr + scale,
+               ok, FP8)
 
 
-def rotary_into_cache(q, k, v, cos, sin, k_cache, v_cache, slots) -> torch.Tensor:
+def rotary_into_cache(q, k, v, cos, sin, k_cache, v_cache, slots, k_scale=None,
+                      v_scale=None) -> torch.Tensor:
     """q [B, T, H*D], k and v [B, T, KVH*D], cos and sin [B, T, D], the layer's cache
     [B, KVH, S, D] (any strides, last one 1), slots [T]: write the rotated keys and the
-    values at ``slots``; return the rotated queries [B, H, T, D]."""
+    values at ``slots``; return the rotated queries [B, H, T, D]. An fp8 cache comes with
+    its scales [B, KVH] (fp32)."""
     batch, steps, kv_heads, _, head_dim = (*q.shape[:2], *k_cache.shape[1:])
     heads = q.shape[-1] // head_dim
     if head_dim % 2 or q.shape[-1] != heads * head_dim or k.shape[-1] != kv_heads * head_dim:
@@ -86,21 +104,33 @@ def rotary_into_cache(q, k, v, cos, sin, k_cache, v_cache, slots) -> torch.Tenso
         raise ValueError("cos and sin (and the two caches) must share strides")
     if min(t.stride(-1) for t in (q2, k2, v2, c2, k_cache)) != 1:
         raise ValueError("the last dim of every tensor must be contiguous")
+    fp8 = kv_cache.check_layer(k_cache, v_cache, k_scale, v_scale)
     q_out = torch.empty((batch, heads, steps, head_dim), dtype=q.dtype, device=q.device)
     half = head_dim // 2
+    if fp8:  # written as bits (kernels/e4m3.py)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    scales = (k_scale, v_scale, *k_scale.stride()) if fp8 else (slots, slots, 0, 0)  # unread
     rotary_cache_kernel[(batch * steps, heads + kv_heads)](
-        q2, k2, v2, c2, s2, slots, q_out, k_cache, v_cache, steps, heads, half,
+        q2, k2, v2, c2, s2, slots, q_out, k_cache, v_cache, *scales[:2], steps, heads, half,
         q2.stride(0), k2.stride(0), v2.stride(0), c2.stride(0), *q_out.stride()[:3],
-        *k_cache.stride()[:3], BLOCK=triton.next_power_of_2(half), num_warps=1)
+        *k_cache.stride()[:3], *scales[2:], BLOCK=triton.next_power_of_2(half), FP8=fp8,
+        num_warps=1)
     return q_out
 
 
-def reference_rotary_into_cache(q, k, v, cos, sin, k_cache, v_cache, slots, apply_rotary):
-    """The same with the model family's ``apply_rotary_pos_emb`` and index_copy_."""
+def reference_rotary_into_cache(q, k, v, cos, sin, k_cache, v_cache, slots, apply_rotary,
+                                k_scale=None, v_scale=None):
+    """The same with the model family's ``apply_rotary_pos_emb`` and index_copy_ (an fp8
+    cache's keys and values quantized by qerl/formats/kv_cache.py)."""
     batch, steps = q.shape[:2]
     head_dim = k_cache.shape[-1]
     shape = (batch, steps, -1, head_dim)
     q, k = apply_rotary(q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), cos, sin)
+    v = v.view(shape).transpose(1, 2)
+    if kv_cache.check_layer(k_cache, v_cache, k_scale, v_scale):
+        # Copied as bytes: torch has no index_copy_ of fp8.
+        k, v, k_cache, v_cache = (t.view(torch.uint8) for t in (
+            kv_cache.quantize(k, k_scale), kv_cache.quantize(v, v_scale), k_cache, v_cache))
     k_cache.index_copy_(2, slots, k)
-    v_cache.index_copy_(2, slots, v.view(shape).transpose(1, 2))
+    v_cache.index_copy_(2, slots, v)
     return q

@@ -12,7 +12,8 @@ seen by the next replay; after replacing modules or tensors instead (``load_adap
 ``model.to(...)``) call ``engine.reset()`` so that the graphs are captured again. A batch
 shrinks to its live sequences once most have stopped (COMPACT_WHEN). A prompt given several
 times (GRPO samples each of a step's prompts G times) is prefilled once, and its rows of
-the cache copied to its repeats.
+the cache copied to its repeats. ``kv_cache="fp8"`` keeps keys and values in 8 bits with a
+scale per (layer, sequence, kv head) (qerl/formats/kv_cache.py): half the bytes a slot.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 
 from qerl.archs import MODEL_TYPES
 from qerl.errors import QerlError
+from qerl.formats import kv_cache as kv_formats
 from qerl.rollout.decoder import Decoder, KVCache
 from qerl.rollout.sampling_params import SamplingParams, sample
 
@@ -68,6 +70,21 @@ def free_bytes(device: torch.device) -> int | None:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
+def cache_dtype(kv_cache: str, dtype: torch.dtype) -> torch.dtype:
+    """What a KV cache of format ``kv_cache`` (engine.kv_cache) stores for a model that
+    computes in ``dtype``."""
+    if kv_cache not in kv_formats.KV_CACHES:
+        raise RolloutError(f"engine.kv_cache is one of {', '.join(kv_formats.KV_CACHES)}, not "
+                           f"{kv_cache!r}")
+    if kv_cache == "bf16":  # the model's own
+        return dtype
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    if fp8 is None:
+        raise RolloutError(f"engine.kv_cache fp8 stores torch.float8_e4m3fn, which torch "
+                           f"{torch.__version__} does not have: use engine.kv_cache bf16")
+    return fp8
+
+
 @dataclass
 class Rollout:
     """Per sequence: the generated tokens (a stop token included), each one's sampling
@@ -97,13 +114,14 @@ class Engine:
     up to its slot rounded up to ``slot_bucket`` (see SLOT_BUCKET). ``compact`` lets a
     batch shrink to its live sequences as they stop (see COMPACT_WHEN). The prefill takes
     whole sequences, at most ``prefill_tokens`` tokens a forward (see PREFILL_TOKENS);
-    ``share_prompts`` prefills a repeated prompt once for all its repeats."""
+    ``share_prompts`` prefills a repeated prompt once for all its repeats. ``kv_cache``
+    (qerl.formats.kv_cache.KV_CACHES) is the cache's format: the model's dtype, or fp8."""
 
     def __init__(self, model, max_batch: int, max_seq_len: int,
                  kv_budget_bytes: int | None = None, cuda_graphs: bool = True,
                  fused: bool | None = None, slot_bucket: int = SLOT_BUCKET,
                  compact: bool = True, prefill_tokens: int = PREFILL_TOKENS,
-                 share_prompts: bool = True):
+                 share_prompts: bool = True, kv_cache: str = kv_formats.DEFAULT):
         self.model = _base_model(model)
         config = self.model.config
         if config.model_type not in MODEL_TYPES:
@@ -117,9 +135,11 @@ class Engine:
         # The lm_head's: the input embedding's table may be in the host's memory
         # (qerl.nn.host_embedding), the lm_head's is always where the model computes.
         self.device = self.model.get_output_embeddings().weight.device
-        need = max_batch * max_seq_len * KVCache.bytes_per_slot(config, self.dtype)
+        self.kv_cache, self.cache_dtype = kv_cache, cache_dtype(kv_cache, self.dtype)
+        need = max_batch * KVCache.bytes_per_sequence(config, max_seq_len, self.cache_dtype)
         if kv_budget_bytes is not None and need > kv_budget_bytes:
-            fits = self.max_batch_for(config, kv_budget_bytes, max_seq_len, self.dtype)
+            fits = self.max_batch_for(config, kv_budget_bytes, max_seq_len, self.dtype,
+                                      kv_cache)
             raise RolloutError(f"a KV cache for {max_batch} x {max_seq_len} tokens needs "
                                f"{need / 1e9:.2f} GB, over the budget of "
                                f"{kv_budget_bytes / 1e9:.2f} GB (it holds {fits} sequences)")
@@ -138,7 +158,8 @@ class Engine:
         """An engine with as many sequences of ``max_seq_len`` as the KV budget holds."""
         base = _base_model(model)
         dtype = base.get_input_embeddings().weight.dtype
-        batch = cls.max_batch_for(base.config, kv_budget_bytes, max_seq_len, dtype)
+        batch = cls.max_batch_for(base.config, kv_budget_bytes, max_seq_len, dtype,
+                                  kwargs.get("kv_cache", kv_formats.DEFAULT))
         if batch < 1:
             raise RolloutError(f"a KV budget of {kv_budget_bytes / 1e9:.3f} GB holds no "
                                f"sequence of {max_seq_len} tokens")
@@ -157,24 +178,30 @@ class Engine:
 
     def _allocate(self) -> None:
         config = self.model.config
-        need = self.max_batch * self.max_seq_len * KVCache.bytes_per_slot(config, self.dtype)
+        need = self.max_batch * KVCache.bytes_per_sequence(config, self.max_seq_len,
+                                                           self.cache_dtype)
         free = free_bytes(self.device)
         if free is not None and need > free:
             # Said here, before the allocation: torch's out-of-memory error would name
             # neither the cache nor how to make it fit.
-            fits = self.max_batch_for(config, free, self.max_seq_len, self.dtype)
+            fits = self.max_batch_for(config, free, self.max_seq_len, self.dtype,
+                                      self.kv_cache)
             raise CacheMemoryError(
                 f"a KV cache for {self.max_batch} sequences of {self.max_seq_len} tokens "
                 f"needs {need / 1e9:.2f} GB, and {self.device} has {free / 1e9:.2f} GB free "
                 f"(it holds {fits}): roll out fewer sequences at once (qerl train: "
                 f"engine.kv_budget_gb samples a step's batch in chunks) or shorter ones")
-        self.cache = KVCache.allocate(config, self.max_batch, self.max_seq_len, self.dtype,
-                                      self.device)
+        self.cache = KVCache.allocate(config, self.max_batch, self.max_seq_len,
+                                      self.cache_dtype, self.device)
 
     @staticmethod
     def max_batch_for(config, kv_budget_bytes: int, max_seq_len: int,
-                      dtype: torch.dtype = torch.bfloat16) -> int:
-        return kv_budget_bytes // (max_seq_len * KVCache.bytes_per_slot(config, dtype))
+                      dtype: torch.dtype = torch.bfloat16,
+                      kv_cache: str = kv_formats.DEFAULT) -> int:
+        """The sequences of ``max_seq_len`` tokens a cache of format ``kv_cache`` holds in
+        ``kv_budget_bytes``, for a model that computes in ``dtype``."""
+        return kv_budget_bytes // KVCache.bytes_per_sequence(config, max_seq_len,
+                                                             cache_dtype(kv_cache, dtype))
 
     def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
         if not prompts:
@@ -197,9 +224,7 @@ class Engine:
     def _view(self, batch: int, slots: int | None = None, first: int = 0) -> KVCache:
         """The cache of ``batch`` sequences from the ``first``-th, its first ``slots`` slots
         (all)."""
-        slots, rows = slots or self.max_seq_len, slice(first, first + batch)
-        return KVCache(self.cache.k[:, rows, :, :slots], self.cache.v[:, rows, :, :slots],
-                       self.cache.pad[rows])
+        return self.cache.rows(slice(first, first + batch), slots or self.max_seq_len)
 
     def _prefill(self, ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         """The prompts (left-padded, [B, T]) into the cache -> logits of their last position
@@ -210,7 +235,7 @@ class Engine:
         ids, start = ids.to(self.device), torch.zeros((), dtype=torch.long, device=self.device)
         rows = max(1, self.prefill_tokens // longest)
         logits = [self.decoder(ids[first:first + rows], start,
-                               self._view(min(rows, batch - first), span, first))
+                               self._view(min(rows, batch - first), span, first), prefill=True)
                   for first in range(0, batch, rows)]
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
@@ -275,11 +300,16 @@ class Engine:
 
     def _move_rows(self, rows: torch.Tensor, slots: int) -> None:
         """The cache's first len(rows) rows become its rows ``rows`` (their first ``slots``
-        slots and their padding), in that order; a row may be taken more than once."""
+        slots, their padding and an fp8 cache's scales), in that order; a row may be taken
+        more than once."""
+        # fp8 moved as its bytes, which torch indexes on every device
+        kv = [t.view(torch.uint8) if self.cache.scales else t
+              for t in (self.cache.k, self.cache.v)]
         for layer in range(self.cache.k.shape[0]):  # a layer at a time: little scratch
-            for part in (self.cache.k, self.cache.v):
+            for part in kv:
                 part[layer, :rows.numel(), :, :slots] = part[layer, rows, :, :slots]
-        self.cache.pad[:rows.numel()] = self.cache.pad[rows]
+        for part in (self.cache.pad, *(s.transpose(0, 1) for s in self.cache.scales)):
+            part[:rows.numel()] = part[rows]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Rollout:
         self._check(prompts, params)

@@ -4,6 +4,7 @@ and 16-byte asynchronous global loads and its tensor-core instructions:
 
     python tests/kernels/compile_kernels.py          # every launch, sm_90
     python tests/kernels/compile_kernels.py 80 89    # every launch, for those cards
+    python tests/kernels/compile_kernels.py cache 80 90  # the fp8 KV cache's kernels
 
 Run without TRITON_INTERPRET: the interpreter accepts programs the compiler rejects. On an
 architecture before sm_89 the kernels read the scales as bytes (compute_capability), as
@@ -25,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from qerl.kernels import compute_capability
+from qerl.kernels import compute_capability, decode_attention, rotary_cache
 from qerl.kernels import nvfp4_triton as fused_kernels
 
 POINTERS = {"fwd": ("x_ptr", "words_ptr", "scale_ptr", "global_scale_ptr", "bias_ptr",
@@ -108,6 +109,38 @@ def compile_all(arch: int) -> list[dict]:
             for dtype in ("bf16", "fp16")]
 
 
+def compile_cache_kernels(arch: int) -> list[dict]:
+    """The kernels that write and read an fp8 KV cache (its E4M3 read as fp8 from sm_89,
+    else as bytes), for 16-bit queries, at Qwen2.5's head_dim 128."""
+    fp8 = arch >= compute_capability.FP8_CONVERSION_FROM
+    cache, scales = "*fp8e4nv" if fp8 else "*u8", {"ks_ptr": "*fp32", "vs_ptr": "*fp32"}
+    launches = [(decode_attention.decode_split_kernel, lambda dtype: {
+        "q_ptr": f"*{dtype}", "k_ptr": cache, "v_ptr": cache, **scales, "pad_ptr": "*i64",
+        "slot_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
+        "qk_scale": "fp32"}, {"D": 128, "G_PAD": 16, "BLOCK_S": block, "FP32_DOTS": False,
+                              "QUANTIZED": True, "FP8": fp8}, {"num_warps": 4, "num_stages": 2})
+        for block in (32, 64)]
+    launches.append((rotary_cache.rotary_cache_kernel, lambda dtype: {
+        **dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr", "q_out_ptr"),
+                        f"*{dtype}"),
+        "slots_ptr": "*i64", "kc_ptr": "*u8", "vc_ptr": "*u8", **scales},
+        {"BLOCK": 64, "FP8": True}, {"num_warps": 1}))
+    rows = []
+    for kernel, types, constexprs, options in launches:
+        for dtype in ("bf16", "fp16"):
+            signature = {name: types(dtype).get(name, "i32") for name in kernel.arg_names
+                         if name not in constexprs} | dict.fromkeys(constexprs, "constexpr")
+            compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs),
+                                      target=GPUTarget("cuda", arch, 32), options=options)
+            sass = _sass(compiled.asm["cubin"])
+            rows.append({"op": kernel.__name__, "dtype": dtype, "arch": arch,
+                         "shared": compiled.metadata.shared,
+                         "spills": len(re.findall(r"\b(?:STL|LDL)\b", sass))})
+    return rows
+
+
 if __name__ == "__main__":
-    print(json.dumps([r for arch in map(int, sys.argv[1:] or ["90"])
-                      for r in compile_all(arch)]))
+    cache, archs = sys.argv[1:2] == ["cache"], sys.argv[1:]
+    archs = map(int, archs[cache:] or ["90"])
+    print(json.dumps([r for arch in archs
+                      for r in (compile_cache_kernels if cache else compile_all)(arch)]))

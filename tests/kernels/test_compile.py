@@ -1,8 +1,8 @@
 """Every launch configuration compiles for Hopper (sm_90) within its shared memory, runs on
 tensor cores, loads the packed weight in 16-byte vectors and does not spill; and compiles
 for the cards before Hopper (an A100, an RTX 3090 or 4090: what QERL_KERNEL_ARCH makes a
-Hopper card choose, but cannot compile for them): checked on the CPU, before any GPU time
-is spent."""
+Hopper card choose, but cannot compile for them), as do the fp8 KV cache's write and
+decode attention: checked on the CPU, before any GPU time is spent."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 
-def compiled(*archs: int) -> list[dict]:
+def compiled(*archs: int | str) -> list[dict]:
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     script = Path(__file__).with_name("compile_kernels.py")
     done = subprocess.run([sys.executable, str(script), *map(str, archs)], env=env,
@@ -59,3 +59,17 @@ def test_every_kernel_compiles_for_the_cards_before_hopper():
         assert r["shared"] <= MAX_SHARED[r["arch"]], r
         assert r["spills"] <= 6, r
         assert (r["mma"] > 0) == (r["op"] != "dequant"), r
+
+
+@pytest.mark.slow
+def test_the_fp8_cache_kernels_compile_for_every_card():
+    """The cache write (E4M3 from its bits) and decode attention over an fp8 cache (read
+    by the fp8 conversion from sm_89, from the bits before) compile from the A100 on,
+    within shared memory and without spills."""
+    results = compiled("cache", 80, 86, 89, 90)
+    assert {(r["arch"], r["op"], r["dtype"]) for r in results} == {
+        (a, op, d) for a in (80, 86, 89, 90) for d in ("bf16", "fp16")
+        for op in ("decode_split_kernel", "rotary_cache_kernel")}
+    for r in results:
+        assert r["shared"] <= MAX_SHARED[r["arch"]], r
+        assert r["spills"] == 0, r

@@ -1,12 +1,14 @@
 """The split-KV decode attention against SDPA with a boolean mask in float64: under Triton's
-CPU interpreter on small odd shapes in fp32 and bf16, and on a GPU (where it also replays
-from a CUDA graph at a later slot)."""
+CPU interpreter on small odd shapes in fp32 and bf16, over a bf16/fp32 cache and an fp8 one
+with its scales (read by the fp8 conversion and from the bits, as before sm_89), and on a
+GPU (where it also replays from a CUDA graph at a later slot)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from qerl.kernels import compute_capability as cc
 from qerl.kernels import decode_attention as da
 from qerl.kernels.device_facts import interpreting
 from tests.conftest import fresh_seed
@@ -60,9 +62,24 @@ def pads_for(gen, batch, slot):
     return torch.tensor(pads[:batch], dtype=torch.long, device=device())
 
 
-def float64_reference(q, k, v, pad, slot, scale):
+def float64_reference(q, k, v, pad, slot, scale, k_scale=None, v_scale=None):
     # the view's NaN neighbours do not matter: SDPA takes the view's values
+    if k_scale is not None:  # dequantized to float64 by the reference
+        return da.reference_decode_attention(q.double(), k, v, pad, slot, scale, k_scale,
+                                             v_scale)
     return da.reference_decode_attention(q.double(), k.double(), v.double(), pad, slot, scale)
+
+
+def scale_views(gen, batch, kv_heads):
+    """k and v scales [B, KVH] as the engine hands them over (views of [L, B, KVH], NaN
+    around them): powers of two from 2^-4 to 2^3, a head's own each."""
+    views = []
+    for _ in range(2):
+        buf = torch.full((2, batch + 2, kv_heads), float("nan"))
+        buf[1, 1:batch + 1] = torch.exp2(torch.randint(-4, 4, (batch, kv_heads),
+                                                       generator=gen).float())
+        views.append(buf.to(device())[1, 1:batch + 1])
+    return views
 
 
 # (B, H, KVH, S, D): G = 1, 2, 7 (Qwen 7B: 28 q / 4 kv heads), S off the 32/64-slot tiles
@@ -93,6 +110,43 @@ def test_matches_float64_sdpa(poisoned, dtype, shape):
                                        msg=lambda m, s=seed, w=where, n=splits:
                                        f"seed {s}, slot {w}, splits {n}: {m}")
             again = da.decode_attention(q, k, v, pad, slot, scale, splits=splits)
+            assert torch.equal(got, again), (seed, where, splits)
+
+
+@pytest.mark.parametrize("read", ["fp8 conversion", "bits"])
+@pytest.mark.parametrize("dtype", dtypes())
+@pytest.mark.parametrize("shape", SHAPES[1:3], ids=lambda s: "B{}-H{}-KVH{}-S{}-D{}".format(*s))
+def test_an_fp8_cache_matches_float64_sdpa_over_it_dequantized(poisoned, monkeypatch, read,
+                                                              dtype, shape):
+    """An fp8 cache (E4M3 values, NaN bytes around the views) and a scale per (sequence, kv
+    head): attention over the float64 dequantized cache, as the prefill reads it, to the
+    tolerance of q's dtype; read by the fp8 conversion or, as a card before sm_89 (no fp8
+    type), from the bits; the same bits on every run."""
+    if read == "bits":
+        monkeypatch.setenv(cc.VARIABLE, "sm_80")
+    elif not cc.converts_fp8(torch.device(device())):
+        pytest.skip("this card has no fp8 conversion")
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    batch, heads, kv_heads, span, head_dim = shape
+    k, v = cache_views(gen, batch, kv_heads, span, head_dim, torch.float8_e4m3fn,
+                       "heads first" if span % 2 else "slots first")
+    k_scale, v_scale = scale_views(gen, batch, kv_heads)
+    q = queries(gen, batch, heads, head_dim, dtype)
+    scale = head_dim ** -0.5
+    for where in (span // 2, span - 1):
+        slot = torch.tensor(where, device=device())
+        pad = pads_for(gen, batch, where)
+        ref = float64_reference(q, k, v, pad, slot, scale, k_scale, v_scale)
+        for splits in (None, 5):
+            got = da.decode_attention(q, k, v, pad, slot, scale, k_scale=k_scale,
+                                      v_scale=v_scale, splits=splits)
+            assert got.shape == q.shape and got.dtype == dtype
+            torch.testing.assert_close(got.double(), ref, **tolerance(dtype),
+                                       msg=lambda m, s=seed, w=where, n=splits:
+                                       f"seed {s}, slot {w}, splits {n}: {m}")
+            again = da.decode_attention(q, k, v, pad, slot, scale, k_scale=k_scale,
+                                        v_scale=v_scale, splits=splits)
             assert torch.equal(got, again), (seed, where, splits)
 
 
@@ -182,6 +236,25 @@ def test_refuses_what_it_cannot_run():
             v_ = k_
         with pytest.raises(ValueError, match=cause):
             da.decode_attention(q_, k_, v_, pad_, slot_, 0.25)
+    k8 = k.to(torch.float8_e4m3fn)
+    scales = torch.ones(2, 2, device=dev)
+    bad_fp8 = [
+        ("an fp8 cache comes with k and v scales", (k8, k8, {})),
+        ("an fp8 cache comes with k and v scales", (k8, k8, {"k_scale": scales})),
+        ("an fp8 cache comes with k and v scales", (k, k, {"k_scale": scales,
+                                                           "v_scale": scales})),
+        ("must share a dtype", (k8, k, {"k_scale": scales, "v_scale": scales})),
+        (r"scales must be \[B, KVH\]", (k8, k8, {"k_scale": scales[:1],
+                                                "v_scale": scales[:1]})),
+        (r"scales must be \[B, KVH\]", (k8, k8, {"k_scale": scales.double(),
+                                                "v_scale": scales})),
+    ]
+    for cause, (k_, v_, given) in bad_fp8:
+        with pytest.raises(ValueError, match=cause):
+            da.decode_attention(q, k_, v_, pad, slot, 0.25, **given)
+    with pytest.raises(ValueError, match="q must be fp32, bf16 or fp16"):
+        da.decode_attention(q.double(), k8, k8, pad, slot, 0.25, k_scale=scales,
+                            v_scale=scales)
 
 
 @GPU

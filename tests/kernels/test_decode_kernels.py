@@ -108,6 +108,68 @@ def test_rotary_into_cache_matches_hugging_face(poisoned, dtype, arch):
         torch.testing.assert_close(a, b, **tol, msg=lambda m, s=seed: f"{s}: {m}")
 
 
+@pytest.mark.parametrize("dtype", dtypes())
+def test_rotary_into_an_fp8_cache_writes_each_heads_quotient_rounded_once(poisoned, dtype):
+    """An fp8 cache: each rotated key and value divided by its (sequence, kv head)'s scale
+    and rounded to E4M3 once, saturating: the bytes of torch's cast of the float64
+    quotient of what the kernel writes into a cache of the model's dtype, and of what the
+    reference (the family's apply_rotary_pos_emb) computes; the queries as there; the
+    rest of the cache untouched. Scales from 2^-8 to 2^3 make heads saturate and values
+    subnormal; head_dim 24 is no power of two."""
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    batch, steps, heads, kv_heads, head_dim, slots = 3, 2, 6, 2, 24, 9
+    q = rand(gen, batch, steps, heads * head_dim, dtype=dtype)
+    k, v = (rand(gen, batch, steps, kv_heads * head_dim, dtype=dtype, scale=4.0)
+            for _ in range(2))
+    angles = torch.rand(batch, steps, head_dim // 2, generator=gen) * 100
+    cos, sin = (f(angles).repeat(1, 1, 2).to(dtype).to(device()) for f in (torch.cos,
+                                                                            torch.sin))
+    where = torch.tensor([4, 7], device=device())
+    plain = [rand(gen, batch, kv_heads, slots, head_dim, dtype=dtype) for _ in range(2)]
+    q_plain = rotary_cache.rotary_into_cache(q, k, v, cos, sin, *plain, where)
+    # An fp8 cache for 5 sequences, of which the batch is the first 3, with its scales.
+    before = [rand(gen, 2, 5, kv_heads, slots, head_dim).to(torch.float8_e4m3fn)
+              for _ in range(2)]
+    scales = [torch.exp2(torch.randint(-8, 4, (2, 5, kv_heads), generator=gen).float())
+              for _ in range(2)]
+    for scale in scales:  # the extremes, whatever was drawn
+        scale[1, 0, 0], scale[1, 1, 1] = 2.0 ** -8, 2.0 ** 3
+    scales = [scale.to(device()) for scale in scales]
+
+    def written(cache, x, scale):  # x [B, KVH, T, D] at slots `where`, by torch's cast
+        out = cache.clone()
+        quotient = x.double() / scale[1, :batch, :, None, None].double()
+        out[1, :batch, :, where] = quotient.clamp(-448, 448).to(torch.float8_e4m3fn)
+        return out.view(torch.uint8)
+
+    shape = (batch, steps, -1, head_dim)
+    ref_k = apply_rotary_pos_emb(q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2),
+                                 cos, sin)[1]
+    kernel_v = plain[1][:, :, where]
+    expected = {True: [written(before[0], plain[0][:, :, where], scales[0]),
+                       written(before[1], kernel_v, scales[1])],
+                False: [written(before[0], ref_k, scales[0]),
+                        written(before[1], kernel_v, scales[1])]}
+    bits = expected[True][0]
+    assert ((bits & 0x7F) == 0x7E).any() and ((bits & 0x78) == 0).any()  # saturated, subnormal
+    for fused in (True, False):
+        got = [c.clone() for c in before]
+        layer = [c[1, :batch] for c in got]
+        layer_scales = {"k_scale": scales[0][1, :batch], "v_scale": scales[1][1, :batch]}
+        if fused:
+            got_q = rotary_cache.rotary_into_cache(q, k, v, cos, sin, *layer, where,
+                                                   **layer_scales)
+            assert torch.equal(got_q, q_plain), seed
+        else:
+            rotary_cache.reference_rotary_into_cache(q, k, v, cos, sin, *layer, where,
+                                                     apply_rotary_pos_emb, **layer_scales)
+        for a, b in zip(got, expected[fused], strict=True):
+            assert torch.equal(a.view(torch.uint8), b), (seed, fused)
+
+
 def test_rotary_into_cache_refuses_mismatched_heads():
     gen = torch.Generator().manual_seed(0)
     cache = rand(gen, 1, 2, 4, 8)
