@@ -17,6 +17,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from qerl.archs import PROJECTIONS
+from qerl.formats import kv_cache as kv_formats
 from qerl.methods import Method
 from qerl.noise import AQNSettings
 from qerl.settings import ConfigError as ConfigError  # where callers have found it
@@ -76,7 +77,8 @@ class RLSection(Settings):
         default_factory=lambda: {"accuracy": 1.0, "format": 0.1})
     # Truncated importance sampling of the sampler/trainer mismatch (TRL's correction: each
     # token's loss times min(p_train / p_sampler, tis_cap)); None: on for engine.backend
-    # vllm, off for the embedded engine, whose log-probs are the policy's own forward.
+    # vllm and engine.kv_cache fp8, off for the embedded engine with the model's dtype, whose
+    # log-probs are the policy's own forward.
     tis: bool | None = None
     tis_cap: float = Field(3.0, gt=0)
 
@@ -115,6 +117,9 @@ class EngineSection(Settings):
     # that training has its memory; they are made again at the next step's. memory_gb may
     # set it.
     release_cache: bool = False
+    # The KV cache's keys and values: in the model's dtype (bf16), or in 8 bits with a scale
+    # per (layer, sequence, kv head), half the bytes a token (qerl/formats/kv_cache.py).
+    kv_cache: kv_formats.KVCacheFormat = kv_formats.DEFAULT
 
 
 class OffloadSection(Settings):
@@ -173,6 +178,9 @@ class TrainConfig(Settings):
         if self.engine.release_cache and self.engine.backend != "embedded":
             raise ValueError("engine.release_cache frees the embedded engine's cache; vLLM "
                              "keeps its own (engine.backend: embedded)")
+        if self.engine.kv_cache != kv_formats.DEFAULT and self.engine.backend != "embedded":
+            raise ValueError(f"engine.kv_cache {self.engine.kv_cache} is the embedded "
+                             f"engine's cache; vLLM keeps its own (engine.backend: embedded)")
         if self.method == "full" and self.aqn.enabled is True:
             raise ValueError("AQN perturbs the norms of a quantized base; method full has "
                              "none to model: set aqn.enabled false")

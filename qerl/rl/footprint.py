@@ -16,7 +16,9 @@ which this does not model). The terms, decimal GB:
   bytes a parameter with AdamW in fp32; with bitsandbytes' 8-bit AdamW 10 (its per-block
   scales left out); with ``optimizer_on_host`` 8 (the moments are in the host's memory,
   qerl.rl.host_optimizer);
-- kv_cache: keys and values of every layer for each token of each sequence, in BF16;
+- kv_cache: keys and values of every layer for each token of each sequence, in BF16, or
+  with ``kv_cache`` fp8 in one byte each plus two fp32 scales per (layer, kv head) a
+  sequence (engine.kv_cache, qerl/formats/kv_cache.py);
 - checkpointed: each layer's input for one micro-batch, kept for the backward pass;
 - layer: one layer's activations while it is recomputed in the backward pass: for lora and
   qerl 4 intermediate-sized and 8 hidden-sized BF16 tensors a token (fitted to the measured
@@ -44,10 +46,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qerl.formats.kv_cache import DEFAULT, KV_CACHES, SCALE_BYTES
 from qerl.methods import LORA_METHODS
 
 GB = 1e9
 BF16 = 2
+FP8 = 1
 QUANTIZED_BYTES = 0.5 + 1 / 16  # 4-bit values + one 8-bit scale per 16 (NF4: 32-bit per 64)
 # An adapter parameter (fp32) and its gradient (fp32), and the optimizer's two moments.
 ADAPTER_BYTES = {"adamw_torch": 4 + 4 + 2 * 4, "adamw_8bit": 4 + 4 + 2 * 1}
@@ -63,8 +67,9 @@ VOCAB_TILE = 32768
 class Step:
     """What one RL step holds at once: ``sequences`` in the rollout's KV cache,
     ``micro_batch`` sequences a forward and backward, each of ``prompt_len + completion``
-    tokens; LoRA of ``rank`` trained by ``optimizer``. Memory measures: the input embedding
-    and the optimizer's moments in the host's memory, the KV cache freed while training."""
+    tokens; LoRA of ``rank`` trained by ``optimizer``; the KV cache's format ``kv_cache``
+    (engine.kv_cache). Memory measures: the input embedding and the optimizer's moments in
+    the host's memory, the KV cache freed while training."""
 
     method: str
     sequences: int
@@ -76,11 +81,15 @@ class Step:
     embedding_on_host: bool = False
     optimizer_on_host: bool = False
     cache_released: bool = False
+    kv_cache: str = DEFAULT
 
     def __post_init__(self) -> None:
         if self.method not in LORA_METHODS:
             raise ValueError(f"the footprint models the LoRA methods {LORA_METHODS}, not "
                              f"{self.method!r}")
+        if self.kv_cache not in KV_CACHES:
+            raise ValueError(f"the footprint models the KV caches {KV_CACHES}, not "
+                             f"{self.kv_cache!r}")
         if self.optimizer not in ADAPTER_BYTES:
             raise ValueError(f"the footprint models the optimizers {tuple(ADAPTER_BYTES)}, "
                              f"not {self.optimizer!r}")
@@ -111,6 +120,9 @@ def step_memory(config, step: Step) -> dict[str, float]:
     hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     shapes = projection_shapes(config)
     kv_width = shapes[1][1]
+    # a token's keys (or values) in a layer, and a sequence's scales of them (fp8)
+    kv_token, kv_scales = ((kv_width * FP8, config.num_key_value_heads * SCALE_BYTES)
+                           if step.kv_cache == "fp8" else (kv_width * BF16, 0))
     projections = layers * sum(a * b for a, b in shapes)
     adapters = layers * sum(step.rank * (a + b) for a, b in shapes)
     if step.embedding_on_host and config.tie_word_embeddings:
@@ -124,7 +136,7 @@ def step_memory(config, step: Step) -> dict[str, float]:
         + dense * BF16,
         "lora": adapters * (HOST_OPTIMIZER_BYTES if step.optimizer_on_host
                             else ADAPTER_BYTES[step.optimizer]),
-        "kv_cache": layers * 2 * kv_width * BF16 * step.sequences * step.tokens,
+        "kv_cache": layers * 2 * (kv_token * step.tokens + kv_scales) * step.sequences,
         "checkpointed": layers * step.micro_batch * step.tokens * hidden * BF16,
         "layer": step.micro_batch * step.tokens * per_token * BF16,
         "logprob": min(scored, TOKEN_TILE) * min(config.vocab_size, VOCAB_TILE) * BF16

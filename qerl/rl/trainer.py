@@ -58,9 +58,12 @@ def overlong_reward(max_len: int, buffer: int, penalty: float):
 
 
 def tis_enabled(config: TrainConfig) -> bool:
-    """Whether the loss corrects for the sampler's log-probs (rl.tis; by default only
-    where another engine, vLLM, samples)."""
-    return config.rl.tis if config.rl.tis is not None else config.engine.backend == "vllm"
+    """Whether the loss corrects for the sampler's log-probs (rl.tis; by default only where
+    they are not the policy's own forward: another engine, vLLM, samples, or the embedded
+    one reads an fp8 KV cache)."""
+    if config.rl.tis is not None:
+        return config.rl.tis
+    return config.engine.backend == "vllm" or config.engine.kv_cache == "fp8"
 
 
 def grpo_args(config: TrainConfig, use_cpu: bool) -> GRPOConfig:
@@ -216,7 +219,8 @@ class QerlGRPOTrainer(GRPOTrainer):
         budget = self.qerl_config.engine.kv_budget_gb
         if budget is not None:
             dtype = self.policy.base_model.get_input_embeddings().weight.dtype
-            fits = Engine.max_batch_for(self.policy.config, int(budget * 1e9), seq_len, dtype)
+            fits = Engine.max_batch_for(self.policy.config, int(budget * 1e9), seq_len, dtype,
+                                        self.qerl_config.engine.kv_cache)
             if fits < 1:
                 raise ConfigError(f"engine.kv_budget_gb={budget} holds no sequence of "
                                   f"{seq_len} tokens")
@@ -228,7 +232,8 @@ class QerlGRPOTrainer(GRPOTrainer):
                 self._engine = VLLMEngine(self.policy, self.qerl_config.output_dir / "vllm",
                                           max_batch=batch, max_seq_len=seq_len)
             else:
-                self._engine = Engine(self.policy, max_batch=batch, max_seq_len=seq_len)
+                self._engine = Engine(self.policy, max_batch=batch, max_seq_len=seq_len,
+                                      kv_cache=self.qerl_config.engine.kv_cache)
         return self._engine
 
     def _rollout_seed(self) -> int:

@@ -43,3 +43,31 @@ def test_tiled_log_probs_equal_the_whole_softmax(monkeypatch, token_tile, vocab_
     torch.testing.assert_close(logprobs.detach().double(), expected.detach(), **close)
     torch.testing.assert_close(h_tiled.grad.double(), h_ref.grad, **close)
     torch.testing.assert_close(w_tiled.grad.double(), w_ref.grad, **close)
+
+
+@pytest.mark.parametrize("arch", ["qwen2.5-7b", "qwen2.5-32b"])
+def test_the_kv_term_is_what_the_engine_allocates_and_fp8_halves_it(arch):
+    """The footprint's KV cache is the engine's own count (KVCache.bytes_per_sequence) for
+    both formats: fp8 is half of bf16's bytes plus its scales; nothing else changes."""
+    import torch
+
+    from qerl.archs import config_for
+    from qerl.rollout.decoder import KVCache
+
+    config = config_for(arch)
+    sequences, prompt_len, completion = 48, 256, 1024
+    terms = {kv: footprint.step_memory(config, footprint.Step(
+        "qerl", sequences, 4, prompt_len, completion, kv_cache=kv)) for kv in ("bf16", "fp8")}
+    for kv, dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
+        engine_bytes = sequences * KVCache.bytes_per_sequence(config, prompt_len + completion,
+                                                              dtype)
+        assert terms[kv]["kv_cache"] == pytest.approx(engine_bytes / footprint.GB, rel=1e-12)
+    scales = sequences * config.num_hidden_layers * 2 * config.num_key_value_heads * 4
+    assert terms["fp8"]["kv_cache"] == pytest.approx(
+        terms["bf16"]["kv_cache"] / 2 + scales / footprint.GB, rel=1e-12)
+    saved = terms["bf16"]["kv_cache"] - terms["fp8"]["kv_cache"]
+    assert terms["fp8"]["total"] == pytest.approx(terms["bf16"]["total"] - saved, rel=1e-12)
+    assert {k: v for k, v in terms["fp8"].items() if k not in ("kv_cache", "total")} == {
+        k: v for k, v in terms["bf16"].items() if k not in ("kv_cache", "total")}
+    with pytest.raises(ValueError, match="the footprint models the KV caches"):
+        footprint.Step("qerl", 1, 1, 1, 1, kv_cache="int8")

@@ -75,9 +75,13 @@ def test_truncated_importance_sampling_weighs_tokens_by_the_capped_ratio(chat_mo
     assert below.grad_norm[0] == pytest.approx(math.exp(0.5) * plain.grad_norm[0], rel=1e-2)
 
 
-def test_the_correction_is_on_by_default_only_where_vllm_samples(chat_model, tmp_path):
+def test_the_correction_is_on_by_default_only_where_vllm_or_an_fp8_cache_samples(
+        chat_model, tmp_path):
     raw = settings(chat_model, tmp_path)
     assert not trainer_module.tis_enabled(parse_config(raw))
     assert trainer_module.tis_enabled(parse_config({**raw, "engine": {"backend": "vllm"}}))
+    assert trainer_module.tis_enabled(parse_config({**raw, "engine": {"kv_cache": "fp8"}}))
+    assert not trainer_module.tis_enabled(parse_config(
+        {**raw, "engine": {"kv_cache": "fp8"}, "rl": {**raw["rl"], "tis": False}}))
     assert not trainer_module.tis_enabled(parse_config(
         {**raw, "engine": {"backend": "vllm"}, "rl": {**raw["rl"], "tis": False}}))

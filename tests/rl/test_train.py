@@ -406,6 +406,36 @@ def test_a_kv_budget_splits_the_rollout_into_chunks(chat_model, tmp_path):
         run(raw)
 
 
+def test_an_fp8_cache_holds_more_of_a_kv_budget(chat_model, tmp_path):
+    """engine.kv_cache fp8: the budget that holds 2 of the 4 sequences in the model's dtype
+    (fp32 on this CPU) holds all of them in 8 bits, and the rollouts use that cache."""
+    from transformers import AutoConfig
+
+    from qerl.policy import compute_dtype
+    from qerl.rollout.decoder import KVCache
+
+    raw = settings(chat_model, tmp_path, "lora")
+    rl = parse_config(raw).rl
+    seq = rl.max_prompt_length + rl.max_completion_length
+    per_sequence = seq * KVCache.bytes_per_slot(AutoConfig.from_pretrained(chat_model),
+                                                 compute_dtype("cpu"))
+    raw["engine"] = {"kv_budget_gb": 2.5 * per_sequence / 1e9, "kv_cache": "fp8"}
+    trainer = run(raw)
+    assert trainer._engine.max_batch == 4
+    assert trainer._engine.cache.k.dtype == torch.float8_e4m3fn
+    assert list(pd.read_csv(tmp_path / METRICS).step) == [1, 2]
+
+
+def test_the_kv_cache_format_is_bf16_or_fp8(tmp_path):
+    raw = {"model": "m", "output_dir": str(tmp_path)}
+    assert parse_config(raw).engine.kv_cache == "bf16"
+    assert parse_config({**raw, "engine": {"kv_cache": "fp8"}}).engine.kv_cache == "fp8"
+    with pytest.raises(ConfigError, match="engine.kv_cache: Input should be 'bf16' or 'fp8'"):
+        parse_config({**raw, "engine": {"kv_cache": "int8"}})
+    with pytest.raises(ConfigError, match="engine.kv_cache fp8 is the embedded engine's"):
+        parse_config({**raw, "engine": {"kv_cache": "fp8", "backend": "vllm"}})
+
+
 def test_the_memory_measures_change_nothing_learned(chat_model, tmp_path):
     """The input embedding and AdamW's state in host memory and the KV cache freed between
     rollouts (what a memory budget may take) move memory, not numbers: four steps log what
