@@ -259,14 +259,19 @@ def test_refuses_what_it_cannot_run():
 
 @GPU
 @pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["q's dtype", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_replays_in_a_cuda_graph_at_a_later_slot(dtype):
+def test_replays_in_a_cuda_graph_at_a_later_slot(dtype, cache):
     """Captured at one slot, replayed after slot.fill_(later): the reference at the later
-    slot (slot is read on the device, never on the host)."""
+    slot (slot is read on the device, never on the host); an fp8 cache's scales too."""
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     batch, heads, kv_heads, span, head_dim = 4, 28, 4, 300, 128
-    k, v = cache_views(gen, batch, kv_heads, span, head_dim, dtype, "heads first")
+    fp8 = cache == "fp8"
+    k, v = cache_views(gen, batch, kv_heads, span, head_dim,
+                       torch.float8_e4m3fn if fp8 else dtype, "heads first")
+    scales = dict(zip(("k_scale", "v_scale"), scale_views(gen, batch, kv_heads),
+                      strict=True)) if fp8 else {}
     q = queries(gen, batch, heads, head_dim, dtype)
     pad = torch.tensor([0, 5, 40, 100], device="cuda")
     slot = torch.tensor(120, device="cuda")
@@ -274,16 +279,17 @@ def test_replays_in_a_cuda_graph_at_a_later_slot(dtype):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # compile outside the capture
-        da.decode_attention(q, k, v, pad, slot, scale)
+        da.decode_attention(q, k, v, pad, slot, scale, **scales)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = da.decode_attention(q, k, v, pad, slot, scale)
+        captured = da.decode_attention(q, k, v, pad, slot, scale, **scales)
     for later in (121, 255, span - 1):
         slot.fill_(later)
         graph.replay()
         torch.cuda.synchronize()
-        ref = float64_reference(q, k, v, pad, slot, scale)
+        ref = float64_reference(q, k, v, pad, slot, scale, **scales)
         torch.testing.assert_close(captured.double(), ref, **tolerance(dtype),
                                    msg=lambda m, s=seed, w=later: f"seed {s}, slot {w}: {m}")
-        assert torch.equal(captured, da.decode_attention(q, k, v, pad, slot, scale)), seed
+        assert torch.equal(captured, da.decode_attention(q, k, v, pad, slot, scale,
+                                                         **scales)), seed
