@@ -161,3 +161,35 @@ def test_fits_shows_each_models_verdict_per_budget(tmp_path):
                                                                    "engine.release_cache)")}
     assert list(table.model) == ["qwen2.5-7b", "qwen2.5-7b", "qwen2.5-14b"]
     assert set(table.step) == {"1x8x2048 r32"}
+
+
+def test_fits_names_an_fp8_kv_cache_in_the_step(tmp_path):
+    """The same model at the same budget with another KV cache is another step: a row of
+    its own, the format named (bf16, and rows from before the option, unnamed)."""
+    common = {"date": "2026-12-10 10:00", "card": "NVIDIA H100 80GB HBM3", "run": "r1",
+              "lora_rank": 32, "prompts": 1, "generations": 8, "completion": 2048,
+              "prompt_tokens": 64, "kernel_arch": "sm_89", "model": "qwen2.5-7b",
+              "method": "qerl", "memory_gb": 8, "whole_card": 0}
+    rows = [{**common, "kv_cache": "fp8", "status": "ok", "time_vs_uncapped": 1.1},
+            {**common, "kv_cache": "bf16", "status": "oom"},
+            {**common, "kv_cache": None, "status": "refused", "needs_gb": 8.2, "run": "r0"}]
+    path = tmp_path / "bench" / "budget_NVIDIA_H100_80GB_HBM3.csv"
+    path.parent.mkdir()
+    pd.DataFrame(rows).to_csv(path, index=False)
+    table = TABLES["fits"](collect(tmp_path).frames)
+    cells = dict(zip(table.step, table["8 GB"], strict=True))
+    assert cells["1x8x2048 r32 fp8 KV cache"] == "1.10x"
+    assert cells["1x8x2048 r32"] in ("oom", "needs 8.20 GB")
+
+
+def test_kv_cache_fp8_reaches_the_plan_and_the_trained_configuration(tmp_path):
+    from qerl.bench.step import run_config
+    from qerl.config import parse_config
+
+    args = capped_step.parse(["--memory-gb", "8", "--kv-cache", "fp8"])
+    assert capped_step.planned(args, "qwen2.5-7b", "qerl", 8.0).rollout_batch == 8
+    args.memory_gb = 8.0
+    config = parse_config(run_config(args, "qwen2.5-7b", "qerl", tmp_path))
+    assert config.engine.kv_cache == "fp8"
+    with pytest.raises(SystemExit):
+        capped_step.parse(["--kv-cache", "int4"])

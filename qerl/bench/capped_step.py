@@ -25,7 +25,8 @@ nvml_peak_gb is the GPU's memory in use at its highest less what was in use befo
 measuring process started (driver_memory; each GPU is held whole), so nvml_peak_gb -
 torch_reserved_gb measures the CUDA context allowance the plan assumes
 (qerl.rl.budget.CUDA_CONTEXT_GB), and torch_reserved_gb - torch_peak_gb the allocator's
-slack. The KV cache is BF16 (kv_cache). ``measures`` names what the plan took beyond its
+slack. The KV cache is BF16 or, with --kv-cache fp8, E4M3 with its scales (kv_cache): a
+user's choice the plan takes as given. ``measures`` names what the plan took beyond its
 batch sizes (qerl.rl.budget.MEASURES: the input embedding or the optimizer's state in the
 host's memory, the KV cache freed while training), "+"-joined, or none.
 
@@ -44,7 +45,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
-from qerl.bench.step import child_result, measure, step_arguments
+from qerl.bench.step import child_result, kv_cache_argument, measure, step_arguments
 from qerl.errors import QuantizationError
 from qerl.help_format import HelpFormatter
 from qerl.methods import LORA_METHODS
@@ -75,6 +76,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                                                     "pairs over, e.g. 0,1,2,3")
     parser.add_argument("--kernel-arch", help="choose the kernels as on this older "
                                               "architecture (e.g. sm_89, sm_80)")
+    kv_cache_argument(parser)
     parser.add_argument("--whole-card", choices=("also", "only", "earlier"), default="also",
                         help="the whole card's step: measured in this run beside the "
                              "budgets', alone, or taken from an earlier run in the CSV")
@@ -103,7 +105,7 @@ def planned(args: argparse.Namespace, model: str, method: str, budget_gb: float)
         return plan_step(config_for(model), budget_gb=budget_gb, method=method,
                          completions=args.prompts * args.generations,
                          max_micro_batch=args.micro_batch, prompt_len=args.prompt_tokens,
-                         completion=args.completion, rank=args.rank)
+                         completion=args.completion, rank=args.rank, kv_cache=args.kv_cache)
     except DoesNotFit as refused:
         return refused
 
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = {"lora_rank": args.rank, "prompts": args.prompts,
                 "generations": args.generations, "completion": args.completion,
                 "prompt_tokens": args.prompt_tokens, "kernel_arch": f"sm_{arch}",
-                "kv_cache": "bf16", "context_gb": CUDA_CONTEXT_GB}
+                "kv_cache": args.kv_cache, "context_gb": CUDA_CONTEXT_GB}
     own = list(argv if argv is not None else sys.argv[1:])
     # A child sees its GPU by UUID, which NVML also reads it by (CUDA's and NVML's
     # numbering may differ).

@@ -72,7 +72,7 @@ def run_config(args: argparse.Namespace, model: str, method: str, workdir: Path)
     return {
         **weights, "method": method, "seed": 0,
         "output_dir": str(workdir / "run"), "device": args.device,
-        "memory_gb": args.memory_gb,
+        "memory_gb": args.memory_gb, "engine": {"kv_cache": args.kv_cache},
         "lora": {"rank": args.rank, "alpha": args.rank},
         "data": {"task": "arithmetic", "level": 1, "size": 4 * args.prompts},
         "rl": {"num_generations": args.generations,
@@ -147,6 +147,14 @@ def gpu_env(gpus: list[str]) -> list[dict]:
     return envs
 
 
+def kv_cache_argument(parser: argparse.ArgumentParser) -> None:
+    """--kv-cache: the rollout's KV cache format (engine.kv_cache), a setting of the row."""
+    from qerl.formats.kv_cache import DEFAULT, KV_CACHES
+
+    parser.add_argument("--kv-cache", choices=KV_CACHES, default=DEFAULT,
+                        help="the rollout engine's KV cache (engine.kv_cache)")
+
+
 def step_arguments(parser: argparse.ArgumentParser, prompts: int) -> None:
     """The options naming the steps measured or modelled (``qerl bench step`` and
     ``footprint``): where the CSV goes, the models, the methods, P x G x L and the rank."""
@@ -174,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing")
     parser.add_argument("--memory-gb", type=float,
                         help="fit each step into this much GPU memory (qerl.rl.budget)")
+    kv_cache_argument(parser)
     parser.add_argument("--gpus", default="0",
                         help="GPUs to spread the (model, method) processes over, e.g. 0,1,2,3")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -215,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = {"lora_rank": args.rank, "prompts": args.prompts,
                 "generations": args.generations, "completion": args.completion,
                 "micro_batch": args.micro_batch, "grad_ckpt": int(args.grad_ckpt),
+                "kv_cache": args.kv_cache,
                 **({"memory_gb": args.memory_gb} if args.memory_gb else {})}
     own = list(argv if argv is not None else sys.argv[1:])
     free = queue.Queue()

@@ -460,7 +460,8 @@ def efficiency(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
 
 def fits(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
     """Which model fits which budget (`qerl bench budget`): a row per card, kernel
-    architecture, step (prompts x completions x tokens, LoRA rank), model and method, a
+    architecture, step (prompts x completions x tokens, LoRA rank, a KV cache other than
+    BF16), model and method, a
     column per budget. A cell is the step's time against the same model and method's on the
     whole card, where it ran within the budget as the driver counts it ("1.21x"); else why
     not: the smallest budget its plan needs ("needs 9.13 GB"), torch's cap reached ("oom"),
@@ -487,7 +488,9 @@ def fits(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
         return f"{outcome(r)} ({taken.replace('+', ', ')})"
 
     step = (rows.prompts.map("{:g}".format) + "x" + rows.generations.map("{:g}".format)
-            + "x" + rows.completion.map("{:g}".format) + " r" + rows.lora_rank.map("{:g}".format))
+            + "x" + rows.completion.map("{:g}".format) + " r" + rows.lora_rank.map("{:g}".format)
+            + rows.get("kv_cache", pd.Series("bf16", rows.index)).fillna("bf16").map(
+                lambda f: "" if f == "bf16" else f" {f} KV cache"))
     rows = rows.assign(step=step, budget=rows.memory_gb.map("{:g} GB".format),
                        cell=[cell(r) for r in rows.itertuples()])
     index = ["card", "kernel_arch", "step", "model", "method"]

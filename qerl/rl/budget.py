@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass, replace
 
 from qerl.config import TrainConfig
+from qerl.formats.kv_cache import DEFAULT as DEFAULT_KV_CACHE
 from qerl.rl.footprint import GB, Step, step_memory
 from qerl.settings import ConfigError
 
@@ -96,6 +97,7 @@ class Plan:
     micro_batch: int
     terms: dict[str, float]
     measures: tuple[str, ...] = ()
+    kv_cache: str = DEFAULT_KV_CACHE
 
     @property
     def needs_gb(self) -> float:
@@ -108,7 +110,8 @@ class Plan:
     def describe(self) -> str:
         return (f"memory budget {self.budget_gb:g} GB: {self.rollout_batch} of the step's "
                 f"{self.completions} sequences a rollout ({self.rollout_rounds} round(s)), "
-                f"micro-batch {self.micro_batch}, gradient checkpointing"
+                f"micro-batch {self.micro_batch}, gradient checkpointing, a {self.kv_cache} "
+                f"KV cache"
                 f"{''.join(f', {m}' for m in self.measures)}; estimated "
                 f"{self.needs_gb:.2f} GB; {breakdown(self.terms, self.context_gb)}")
 
@@ -117,6 +120,7 @@ class Plan:
                 "context_measured": False, "completions": self.completions,
                 "rollout_batch": self.rollout_batch, "micro_batch": self.micro_batch,
                 "gradient_checkpointing": True, "measures": list(self.measures),
+                "kv_cache": self.kv_cache,
                 "needs_gb": round(self.needs_gb, 3),
                 **{f"{k}_gb": round(v, 3) for k, v in self.terms.items()}}
 
@@ -149,16 +153,20 @@ def measures_for(model_config, optimizer: str) -> tuple[str, ...]:
 
 def plan_step(model_config, *, budget_gb: float, method: str, completions: int,
               max_micro_batch: int, prompt_len: int, completion: int, rank: int,
-              optimizer: str = "adamw_torch", context_gb: float = CUDA_CONTEXT_GB) -> Plan:
+              optimizer: str = "adamw_torch", kv_cache: str = DEFAULT_KV_CACHE,
+              context_gb: float = CUDA_CONTEXT_GB) -> Plan:
     """The plan of a step of ``completions`` sequences of a model of ``model_config`` (a
-    transformers config) within ``budget_gb``; DoesNotFit where none does."""
+    transformers config) within ``budget_gb``, its KV cache in the format ``kv_cache``
+    (engine.kv_cache: the user's choice, never one of the MEASURES, since it changes what
+    is sampled); DoesNotFit where none does."""
     if budget_gb <= 0 or completions < 1 or max_micro_batch < 1:
         raise BudgetError(f"a plan needs a positive budget, completions and micro-batch; got "
                           f"{budget_gb} GB, {completions}, {max_micro_batch}")
 
     def needs(measures: tuple[str, ...], sequences: int, micro_batch: int) -> dict[str, float]:
         return with_measures(model_config, Step(method, sequences, micro_batch, prompt_len,
-                                                completion, rank, optimizer), measures)
+                                                completion, rank, optimizer,
+                                                kv_cache=kv_cache), measures)
 
     def fits(measures: tuple[str, ...], sequences: int, micro_batch: int) -> bool:
         return driver_gb(needs(measures, sequences, micro_batch), context_gb) <= budget_gb
@@ -175,7 +183,7 @@ def plan_step(model_config, *, budget_gb: float, method: str, completions: int,
         micro = max(m for m in range(1, min(max_micro_batch, completions) + 1)
                     if completions % m == 0 and fits(measures, rollout, m))
         return Plan(budget_gb, context_gb, completions, rollout, micro,
-                    needs(measures, rollout, micro), measures)
+                    needs(measures, rollout, micro), measures, kv_cache)
 
     # A measure is taken only where it saves the rollout a round, the cheapest first.
     options, best = measures_for(model_config, optimizer), None
@@ -191,7 +199,8 @@ def plan_step(model_config, *, budget_gb: float, method: str, completions: int,
         taken = f" and {', '.join(options)}" if options else ""
         raise DoesNotFit(
             f"a {method} step of {completions} sequences of {prompt_len} + {completion} "
-            f"tokens (prompt + completion; LoRA rank {rank}, {optimizer}) does not fit "
+            f"tokens (prompt + completion; LoRA rank {rank}, {optimizer}, a {kv_cache} KV "
+            f"cache) does not fit "
             f"memory_gb {budget_gb:g}: at the smallest settings (1 sequence a rollout, "
             f"micro-batch 1, gradient checkpointing{taken}) it needs {least:.2f} GB; "
             f"{breakdown(smallest, context_gb)}. The smallest budget that fits: {least:.2f} GB",
@@ -210,7 +219,8 @@ def fit(config: TrainConfig, model_config) -> tuple[TrainConfig, Plan]:
     plan = plan_step(model_config, budget_gb=config.memory_gb, method=config.method,
                      completions=completions, max_micro_batch=train.batch_size,
                      prompt_len=rl.max_prompt_length, completion=rl.max_completion_length,
-                     rank=config.lora.rank, optimizer=train.optimizer)
+                     rank=config.lora.rank, optimizer=train.optimizer,
+                     kv_cache=config.engine.kv_cache)
     planned = config.model_copy(update={
         "train": train.model_copy(update={
             "batch_size": plan.micro_batch, "gradient_checkpointing": True,

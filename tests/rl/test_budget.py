@@ -29,11 +29,12 @@ ARCHS = Path(__file__).resolve().parents[2] / "qerl" / "archs"
 
 def bytes_of(fields: dict, method: str, sequences: int, micro_batch: int, prompt: int,
              completion: int, rank: int, optimizer_bytes: int = 8,
-             measures: tuple[str, ...] = ()) -> dict[str, float]:
+             measures: tuple[str, ...] = (), kv_cache: str = "bf16") -> dict[str, float]:
     """One step's terms in bytes from a config.json's fields, as the footprint defines
     them (its docstring), written out weight by weight; ``measures``: the plan's
     (budget.MEASURES), with the KV cache freed while training marked by a zero-sized
-    "released" term."""
+    "released" term; an fp8 ``kv_cache``, a byte a key or value and two fp32 scales a
+    (layer, kv head) of a sequence."""
     h, inter = fields["hidden_size"], fields["intermediate_size"]
     layers, vocab = fields["num_hidden_layers"], fields["vocab_size"]
     head = fields.get("head_dim") or h // fields["num_attention_heads"]
@@ -54,7 +55,8 @@ def bytes_of(fields: dict, method: str, sequences: int, micro_batch: int, prompt
     return {
         "weights": weights * per_weight + embeddings * 2,
         "lora": adapter * (4 + 4 + optimizer_bytes),
-        "kv_cache": sequences * tokens * layers * (kv + kv) * 2,
+        "kv_cache": (sequences * tokens * layers * (kv + kv) * 2 if kv_cache == "bf16" else
+                     sequences * layers * (tokens * (kv + kv) + 2 * kv // head * 4)),
         "checkpointed": micro_batch * tokens * layers * h * 2,
         "layer": micro_batch * tokens * per_token * 2,
         "logprob": min(scored, 4096) * min(vocab, 32768) * 2 + scored * h * 6,
@@ -80,7 +82,8 @@ def driver_gb(terms: dict[str, float]) -> float:
 MEASURES = ("offload.embedding", "engine.release_cache", "offload.optimizer")
 
 
-def expected_plan(fields, method, budget_gb, completions, max_micro, prompt, completion, rank):
+def expected_plan(fields, method, budget_gb, completions, max_micro, prompt, completion, rank,
+                  kv_cache="bf16"):
     """None where nothing fits; else (rollout batch, micro-batch, measures): of every
     first-k of the measures and pair that fits (micro-batches dividing the completions),
     the fewest rollout rounds, then the fewest measures, then the fewest sequences that
@@ -90,7 +93,7 @@ def expected_plan(fields, method, budget_gb, completions, max_micro, prompt, com
                for r in range(1, completions + 1) for m in range(1, max_micro + 1)
                if completions % m == 0 and driver_gb(bytes_of(
                    fields, method, r, m, prompt, completion, rank,
-                   measures=options[:k])) <= budget_gb]
+                   measures=options[:k], kv_cache=kv_cache)) <= budget_gb]
     if not fitting:
         return None
     return min(fitting, key=lambda p: (math.ceil(completions / p[0]), len(p[2]), p[0], -p[1]))
@@ -99,20 +102,25 @@ def expected_plan(fields, method, budget_gb, completions, max_micro, prompt, com
 @pytest.mark.parametrize("arch", ["qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b"])
 @pytest.mark.parametrize("budget_gb", [8, 16, 32, 56])
 @pytest.mark.parametrize("method", ["qerl", "qlora", "lora"])
-def test_the_plan_for_each_qwen_size_and_budget_matches_the_arithmetic(arch, budget_gb, method):
+@pytest.mark.parametrize("kv_cache", ["bf16", "fp8"])
+def test_the_plan_for_each_qwen_size_and_budget_matches_the_arithmetic(arch, budget_gb, method,
+                                                                       kv_cache):
     """The issue's grid: one prompt x 8 completions of 2048 tokens after 64, LoRA rank 32."""
     fields = json.loads((ARCHS / f"{arch}.json").read_text())
-    want = expected_plan(fields, method, budget_gb, 8, 8, 64, 2048, 32)
+    want = expected_plan(fields, method, budget_gb, 8, 8, 64, 2048, 32, kv_cache)
     kwargs = {"budget_gb": budget_gb, "method": method, "completions": 8,
-              "max_micro_batch": 8, "prompt_len": 64, "completion": 2048, "rank": 32}
+              "max_micro_batch": 8, "prompt_len": 64, "completion": 2048, "rank": 32,
+              "kv_cache": kv_cache}
     if want is None:
         with pytest.raises(BudgetError, match="The smallest budget that fits"):
             plan_step(config_for(arch), **kwargs)
         return
     plan = plan_step(config_for(arch), **kwargs)
     assert (plan.rollout_batch, plan.micro_batch, plan.measures) == want
+    assert plan.kv_cache == plan.as_dict()["kv_cache"] == kv_cache
     rollout, micro, measures = want
-    terms = bytes_of(fields, method, rollout, micro, 64, 2048, 32, measures=measures)
+    terms = bytes_of(fields, method, rollout, micro, 64, 2048, 32, measures=measures,
+                     kv_cache=kv_cache)
     for name, value in terms.items():
         if name != "released":
             assert plan.terms[name] == pytest.approx(value / 1e9, rel=1e-12), name
@@ -123,13 +131,15 @@ def test_the_plan_for_each_qwen_size_and_budget_matches_the_arithmetic(arch, bud
 def test_what_fits_where_at_the_issues_targets():
     """The verdicts the arithmetic above gives at the issue's targets, with the assumed
     slack and context allowance: QeRL plans each model into its budget, 14B and 32B in one
-    rollout round, 7B and 72B in two; QLoRA all but 7B; BF16 LoRA none of the four."""
-    def plan(arch, budget_gb, method):
+    rollout round, 7B and 72B in two (one with an fp8 KV cache); QLoRA all but 7B; BF16 LoRA
+    none of the four."""
+    def plan(arch, budget_gb, method, kv_cache="bf16"):
         fields = json.loads((ARCHS / f"{arch}.json").read_text())
-        return expected_plan(fields, method, budget_gb, 8, 8, 64, 2048, 32)
+        return expected_plan(fields, method, budget_gb, 8, 8, 64, 2048, 32, kv_cache)
 
     targets = [("qwen2.5-7b", 8), ("qwen2.5-14b", 16), ("qwen2.5-32b", 32), ("qwen2.5-72b", 56)]
     assert [plan(a, b, "qerl")[0] for a, b in targets] == [4, 8, 8, 4]
+    assert [plan(a, b, "qerl", "fp8")[0] for a, b in targets] == [8, 8, 8, 8]
     assert [plan(a, b, "qlora") is not None for a, b in targets] == [False, True, True, True]
     assert not any(plan(a, b, "lora") for a, b in targets)
 
@@ -181,6 +191,23 @@ def test_the_budget_is_checked_with_the_rest_of_the_configuration(tmp_path):
                          ({"memory_gb": 0}, "memory_gb")):
         with pytest.raises(ConfigError, match=words):
             parse_config({**base, "memory_gb": 8, **extra})
+
+
+def test_the_plan_takes_the_configurations_kv_cache(tmp_path):
+    """engine.kv_cache is the user's and stays as given; the plan sizes the cache in it: 7B's
+    eight completions of 2048 tokens in one round at 8 GB in fp8, in two in bf16."""
+    raw = settings("m", tmp_path)
+    raw["rl"].update(num_generations=8, max_prompt_length=64, max_completion_length=2048)
+    raw["train"].update(batch_size=8, gradient_accumulation_steps=1)
+    raw["lora"]["rank"] = 32
+    rounds = {}
+    for kv_cache in ("bf16", "fp8"):
+        config = parse_config({**raw, "memory_gb": 8, "engine": {"kv_cache": kv_cache}})
+        planned, plan = budget.fit(config, config_for("qwen2.5-7b"))
+        assert plan.kv_cache == planned.engine.kv_cache == kv_cache
+        assert f"a {kv_cache} KV cache" in plan.describe()
+        rounds[kv_cache] = (plan.rollout_batch, planned.engine.max_batch)
+    assert rounds == {"bf16": (4, 4), "fp8": (8, 8)}
 
 
 def test_on_a_gpu_the_budget_caps_torch_at_the_budget_less_the_allowance(monkeypatch):
