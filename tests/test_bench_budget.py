@@ -186,10 +186,10 @@ def test_kv_cache_fp8_reaches_the_plan_and_the_trained_configuration(tmp_path):
     from qerl.bench.step import run_config
     from qerl.config import parse_config
 
-    args = capped_step.parse(["--memory-gb", "8", "--kv-cache", "fp8"])
-    assert capped_step.planned(args, "qwen2.5-7b", "qerl", 8.0).rollout_batch == 8
-    args.memory_gb = 8.0
-    config = parse_config(run_config(args, "qwen2.5-7b", "qerl", tmp_path))
+    args = capped_step.parse(["--memory-gb", "56", "--kv-cache", "fp8"])
+    assert capped_step.planned(args, "qwen2.5-72b", "qerl", 56.0).rollout_batch == 8
+    args.memory_gb = 56.0
+    config = parse_config(run_config(args, "qwen2.5-72b", "qerl", tmp_path))
     assert config.engine.kv_cache == "fp8"
     with pytest.raises(SystemExit):
         capped_step.parse(["--kv-cache", "int4"])

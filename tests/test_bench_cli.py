@@ -454,7 +454,8 @@ def test_a_step_of_a_named_model_trains_it_with_its_own_tokenizer(tmp_path):
     step_arguments(parser, prompts=2)
     args = parser.parse_args(["--generations", "4", "--completion", "16", "--rank", "16"])
     args.__dict__.update(model="smollm2-135m-instruct", prompt_tokens=128, device="cpu",
-                         steps=3, micro_batch=8, grad_ckpt=False, memory_gb=None)
+                         steps=3, micro_batch=8, grad_ckpt=False, memory_gb=None,
+                         kv_cache="bf16")
     config = run_config(args, args.model, "qerl", tmp_path)
     assert config["model"] == "smollm2-135m-instruct" and "tokenizer" not in config
     assert config["rl"]["max_prompt_length"] == 128

@@ -38,16 +38,18 @@ from qerl.rl.footprint import GB, Step, step_memory
 from qerl.settings import ConfigError
 
 # What the driver holds for a process outside torch's allocator: the CUDA context, cuBLAS's
-# handles and the kernels' modules (ours, Triton's, torch's). ASSUMED, not measured:
-# `qerl bench budget` records each capped run's NVML peak and torch's reserved peak, and
-# their difference is this allowance's measurement.
+# handles and the kernels' modules (ours, Triton's, torch's). Measured by every row of
+# `qerl bench budget` (nvml_peak_gb - torch_reserved_gb, results/tables/budget.md): on the
+# H100 and the H200 a little under this allowance, steps and capped builds alike; a
+# consumer card's driver is not measured, hence the margin.
 CUDA_CONTEXT_GB = 1.0
 # The allocator's slack, a fraction of the footprint: memory torch holds but cannot hand
-# out (blocks split by earlier tensors), which counts against its cap. The first capped
-# runs (results/bench/budget_*.csv, H100, 7B at 10 GB and 14B at 20 GB, planned without
-# it) ran out of memory with ~6% of the cap reserved beyond what was allocated
-# (torch_reserved_gb - torch_peak_gb): a floor for what is needed. ASSUMED above it; the
-# first run planned with it (H200, 7B at 10 GB) passed, the other models are not run yet.
+# out (blocks split by earlier tensors), which counts against its cap, and what the
+# footprint misses. The capped runs (results/bench/budget_*.csv) ran out of memory with a
+# few percent of the cap reserved beyond what was allocated (torch_reserved_gb -
+# torch_peak_gb), fewer with expandable segments than without; and the one capped 7B step
+# that ran (H200, 10 GB, micro-batch 1) allocated more than its footprint by about as
+# much again. Not measured at 14B and up.
 ALLOCATOR_SLACK = 0.10
 # What a plan may take beyond its batch sizes, cheapest first (configuration keys): the
 # input embedding in the host's memory (a forward gathers its rows over PCIe), the KV cache
@@ -139,8 +141,8 @@ def breakdown(terms: dict[str, float], context_gb: float) -> str:
             f"inputs {terms['checkpointed']:.2f}, then the larger of one layer's recompute "
             f"{terms['layer']:.2f} and the log-prob tiles {terms['logprob']:.2f}), the "
             f"allocator's slack {terms['total'] * ALLOCATOR_SLACK:.2f} "
-            f"({ALLOCATOR_SLACK:.0%} of those, assumed) and a CUDA context allowance of "
-            f"{context_gb:.2f} (assumed, not measured)")
+            f"({ALLOCATOR_SLACK:.0%} of those) and a CUDA context allowance of "
+            f"{context_gb:.2f}")
 
 
 def measures_for(model_config, optimizer: str) -> tuple[str, ...]:

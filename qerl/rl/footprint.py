@@ -25,7 +25,9 @@ which this does not model). The terms, decimal GB:
   7B, 14B and 32B steps: LoRA added inside the GEMM, Liger's norm and SwiGLU); qlora's
   LoRA layer is PEFT's own, which keeps an fp32 copy of each projection's input for the
   adapter (six hidden-sized, one intermediate-sized: 12 and 2 BF16 tensors' worth more),
-  so 6 and 20;
+  so 6 and 20; and for a 4-bit base (qerl, qlora) the largest projection decoded to BF16,
+  which its GEMM over so many rows reads (a 130 MiB allocation, 7B's gate, up or down,
+  was the one a capped 7B step ran out of memory on, results/bench/budget_*.csv);
 - logprob: the log-probabilities of the completion tokens, by TRL's fused LM head
   (``trl.trainer.utils.add_fused_lm_head``), which never holds [tokens x vocab]: a tile of
   TOKEN_TILE x VOCAB_TILE BF16 logits at a time, the completions' hidden states (BF16)
@@ -131,6 +133,11 @@ def step_memory(config, step: Step) -> dict[str, float]:
     dense = config.vocab_size * hidden * tables
     scored = step.micro_batch * step.completion  # completion tokens a micro-batch scores
     per_token = (6 * inter + 20 * hidden) if step.method == "qlora" else (4 * inter + 8 * hidden)
+    # A 4-bit projection over a training micro-batch's thousands of rows is decoded to BF16
+    # whole, then one GEMM (kernels/nvfp4_matmul.py's dequant path, the only one beyond 32
+    # rows on a card without the Hopper GEMM; bitsandbytes' NF4 matmul alike), forward and
+    # input gradient: one projection's BF16 copy at a time, the largest the peak.
+    decoded = 0 if step.method == "lora" else max(a * b for a, b in shapes) * BF16
     terms = {
         "weights": projections * (BF16 if step.method == "lora" else QUANTIZED_BYTES)
         + dense * BF16,
@@ -138,7 +145,7 @@ def step_memory(config, step: Step) -> dict[str, float]:
                             else ADAPTER_BYTES[step.optimizer]),
         "kv_cache": layers * 2 * (kv_token * step.tokens + kv_scales) * step.sequences,
         "checkpointed": layers * step.micro_batch * step.tokens * hidden * BF16,
-        "layer": step.micro_batch * step.tokens * per_token * BF16,
+        "layer": step.micro_batch * step.tokens * per_token * BF16 + decoded,
         "logprob": min(scored, TOKEN_TILE) * min(config.vocab_size, VOCAB_TILE) * BF16
         + scored * hidden * (BF16 + 4),
     }

@@ -58,7 +58,9 @@ def bytes_of(fields: dict, method: str, sequences: int, micro_batch: int, prompt
         "kv_cache": (sequences * tokens * layers * (kv + kv) * 2 if kv_cache == "bf16" else
                      sequences * layers * (tokens * (kv + kv) + 2 * kv // head * 4)),
         "checkpointed": micro_batch * tokens * layers * h * 2,
-        "layer": micro_batch * tokens * per_token * 2,
+        # and a 4-bit base's largest projection decoded to BF16 for its GEMM
+        "layer": micro_batch * tokens * per_token * 2
+        + (0 if method == "lora" else max(i * o for i, o in linears) * 2),
         "logprob": min(scored, 4096) * min(vocab, 32768) * 2 + scored * h * 6,
         **({"released": 0} if "engine.release_cache" in measures else {}),
     }
@@ -129,18 +131,22 @@ def test_the_plan_for_each_qwen_size_and_budget_matches_the_arithmetic(arch, bud
 
 
 def test_what_fits_where_at_the_issues_targets():
-    """The verdicts the arithmetic above gives at the issue's targets, with the assumed
-    slack and context allowance: QeRL plans each model into its budget, 14B and 32B in one
-    rollout round, 7B and 72B in two (one with an fp8 KV cache); QLoRA all but 7B; BF16 LoRA
+    """The verdicts the arithmetic above gives at the issue's targets, with the slack and
+    context allowance: QeRL plans 14B, 32B and 72B into their budgets, 14B and 32B in one
+    rollout round, 72B in two (one with an fp8 KV cache), and not 7B into 8 GB (its
+    training alone, with every measure, needs a little more); QLoRA 14B and 32B; BF16 LoRA
     none of the four."""
     def plan(arch, budget_gb, method, kv_cache="bf16"):
         fields = json.loads((ARCHS / f"{arch}.json").read_text())
         return expected_plan(fields, method, budget_gb, 8, 8, 64, 2048, 32, kv_cache)
 
     targets = [("qwen2.5-7b", 8), ("qwen2.5-14b", 16), ("qwen2.5-32b", 32), ("qwen2.5-72b", 56)]
-    assert [plan(a, b, "qerl")[0] for a, b in targets] == [4, 8, 8, 4]
-    assert [plan(a, b, "qerl", "fp8")[0] for a, b in targets] == [8, 8, 8, 8]
-    assert [plan(a, b, "qlora") is not None for a, b in targets] == [False, True, True, True]
+    def rollouts(method, kv_cache="bf16"):
+        return [(plan(a, b, method, kv_cache) or [None])[0] for a, b in targets]
+
+    assert rollouts("qerl") == [None, 8, 8, 4]
+    assert rollouts("qerl", "fp8") == [None, 8, 8, 8]
+    assert rollouts("qlora") == [None, 8, 8, None]
     assert not any(plan(a, b, "lora") for a, b in targets)
 
 
@@ -160,8 +166,7 @@ def test_a_refusal_names_each_term_and_the_smallest_budget():
                   f"one layer's recompute {gb['layer']:.2f}",
                   f"log-prob tiles {gb['logprob']:.2f}",
                   f"allocator's slack {total_gb(smallest) * ALLOCATOR_SLACK:.2f} (10% of "
-                  "those, assumed)",
-                  f"CUDA context allowance of {CUDA_CONTEXT_GB:.2f} (assumed, not measured)",
+                  "those)", f"CUDA context allowance of {CUDA_CONTEXT_GB:.2f}",
                   "does not fit memory_gb 7", "gradient checkpointing and offload.embedding, "
                   "engine.release_cache, offload.optimizer) it needs",
                   f"The smallest budget that fits: {need:.2f} GB"):
@@ -194,16 +199,16 @@ def test_the_budget_is_checked_with_the_rest_of_the_configuration(tmp_path):
 
 
 def test_the_plan_takes_the_configurations_kv_cache(tmp_path):
-    """engine.kv_cache is the user's and stays as given; the plan sizes the cache in it: 7B's
-    eight completions of 2048 tokens in one round at 8 GB in fp8, in two in bf16."""
+    """engine.kv_cache is the user's and stays as given; the plan sizes the cache in it: 72B's
+    eight completions of 2048 tokens in one round at 56 GB in fp8, in two in bf16."""
     raw = settings("m", tmp_path)
     raw["rl"].update(num_generations=8, max_prompt_length=64, max_completion_length=2048)
     raw["train"].update(batch_size=8, gradient_accumulation_steps=1)
     raw["lora"]["rank"] = 32
     rounds = {}
     for kv_cache in ("bf16", "fp8"):
-        config = parse_config({**raw, "memory_gb": 8, "engine": {"kv_cache": kv_cache}})
-        planned, plan = budget.fit(config, config_for("qwen2.5-7b"))
+        config = parse_config({**raw, "memory_gb": 56, "engine": {"kv_cache": kv_cache}})
+        planned, plan = budget.fit(config, config_for("qwen2.5-72b"))
         assert plan.kv_cache == planned.engine.kv_cache == kv_cache
         assert f"a {kv_cache} KV cache" in plan.describe()
         rounds[kv_cache] = (plan.rollout_batch, planned.engine.max_batch)
