@@ -131,6 +131,11 @@ class OffloadSection(Settings):
     # AdamW's fp32 master weights and moments, its step on the CPU (train.optimizer
     # adamw_torch).
     optimizer: bool = False
+    # The layer inputs gradient checkpointing keeps for the backward's recompute, pinned
+    # (transformers' gradient_checkpointing offload): copied out in the forward, back in the
+    # backward, on the compute stream (train.gradient_checkpointing; on a CPU they are in
+    # host memory already).
+    activations: bool = False
 
 
 class TrainConfig(Settings):
@@ -172,6 +177,9 @@ class TrainConfig(Settings):
         if self.offload.optimizer and self.train.optimizer != "adamw_torch":
             raise ValueError(f"offload.optimizer keeps AdamW's state in fp32 on the host: "
                              f"train.optimizer adamw_torch, not {self.train.optimizer}")
+        if self.offload.activations and not self.train.gradient_checkpointing:
+            raise ValueError("offload.activations keeps gradient checkpointing's layer inputs "
+                             "on the host: set train.gradient_checkpointing true")
         if self.offload.embedding and self.method == "full":
             raise ValueError("offload.embedding freezes the input embedding in host memory; "
                              "method full trains it")
@@ -199,7 +207,8 @@ class TrainConfig(Settings):
                              f"{', '.join(f'engine.{k}' for k in given)} unset")
         chosen = [k for k, on in (("engine.release_cache", self.engine.release_cache),
                                   ("offload.embedding", self.offload.embedding),
-                                  ("offload.optimizer", self.offload.optimizer)) if on]
+                                  ("offload.optimizer", self.offload.optimizer),
+                                  ("offload.activations", self.offload.activations)) if on]
         if chosen:
             raise ValueError(f"memory_gb takes the memory measures where they are needed: "
                              f"leave {', '.join(chosen)} unset")

@@ -37,7 +37,8 @@ def test_a_budget_that_cannot_fit_is_a_refusal_with_the_smallest_budget():
     assert isinstance(refused, Exception) and "does not fit memory_gb 7" in str(refused)
     plan = capped_step.planned(args, "qwen2.5-7b", "qerl", refused.needs_gb)
     assert plan.micro_batch == 1
-    assert plan.measures == ("offload.embedding", "engine.release_cache", "offload.optimizer")
+    assert plan.measures == ("offload.embedding", "engine.release_cache", "offload.optimizer",
+                             "offload.activations")
 
 
 def test_a_pairs_rows_carry_their_verdict_and_time_against_the_whole_card():

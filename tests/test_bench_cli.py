@@ -106,25 +106,29 @@ def test_the_footprint_shows_what_each_memory_measure_saves(tmp_path):
     """--measures: after each step, the same with a budget's measures taken one by one. At
     7B (untied; vocab 152064 x hidden 3584 in BF16) the embedding saves its table, the
     released cache leaves the larger of the cache and the training's activations, and the
-    host optimizer half the adapters' 16 bytes a parameter; the measured peak stays with
-    the step that took none. 3B ties its embedding: no embedding row."""
+    host optimizer half the adapters' 16 bytes a parameter, the offloaded layer inputs all
+    but the one layer's brought back; the measured peak stays with the step that took none.
+    3B ties its embedding: no embedding row."""
     import pandas as pd
 
     main(["bench", "footprint", "--archs", "qwen2.5-7b,qwen2.5-3b", "--methods", "qerl",
           "--prompts", "1", "--micro-batch", "1", "--measures", "--out-dir", str(tmp_path)])
     rows = pd.read_csv(tmp_path / "footprint_P1_G8_L2048.csv")
     seven = rows[rows.model == "qwen2.5-7b"].set_index("measures")
-    assert list(seven.index) == ["none", "offload.embedding",
-                                 "offload.embedding+engine.release_cache",
-                                 "offload.embedding+engine.release_cache+offload.optimizer"]
-    none, emb, released, host = (seven.iloc[i] for i in range(4))
+    assert list(seven.index) == [
+        "none", "offload.embedding", "offload.embedding+engine.release_cache",
+        "offload.embedding+engine.release_cache+offload.optimizer",
+        "offload.embedding+engine.release_cache+offload.optimizer+offload.activations"]
+    none, emb, released, host, inputs = (seven.iloc[i] for i in range(5))
     assert none.weights - emb.weights == pytest.approx(152064 * 3584 * 2 / 1e9, abs=0.01)
     training = released.checkpointed + max(released.layer, released.logprob)
     assert released.total == pytest.approx(
         released.weights + released.lora + max(released.kv_cache, training), abs=0.02)
     assert host.lora == pytest.approx(released.lora / 2, abs=0.01)
+    assert inputs.checkpointed == pytest.approx(host.checkpointed / 28, abs=0.01)  # a layer's
     assert list(rows[rows.model == "qwen2.5-3b"].measures) == [
-        "none", "engine.release_cache", "engine.release_cache+offload.optimizer"]
+        "none", "engine.release_cache", "engine.release_cache+offload.optimizer",
+        "engine.release_cache+offload.optimizer+offload.activations"]
 
 
 def test_the_footprint_refuses_what_it_does_not_model(tmp_path):

@@ -54,11 +54,14 @@ ALLOCATOR_SLACK = 0.10
 # What a plan may take beyond its batch sizes, cheapest first (configuration keys): the
 # input embedding in the host's memory (a forward gathers its rows over PCIe), the KV cache
 # freed after each step's rollouts (its decode graphs are captured again each step), the
-# optimizer's moments in the host's memory (its step runs on the CPU).
-MEASURES = ("offload.embedding", "engine.release_cache", "offload.optimizer")
+# optimizer's moments in the host's memory (its step runs on the CPU), the layer inputs
+# checkpointing keeps in the host's memory (copied out and back each micro-batch).
+MEASURES = ("offload.embedding", "engine.release_cache", "offload.optimizer",
+            "offload.activations")
 STEP_FIELDS = {"offload.embedding": "embedding_on_host",
                "engine.release_cache": "cache_released",
-               "offload.optimizer": "optimizer_on_host"}
+               "offload.optimizer": "optimizer_on_host",
+               "offload.activations": "activations_on_host"}
 
 
 def with_measures(model_config, step: Step, measures: tuple[str, ...]) -> dict[str, float]:
@@ -232,7 +235,8 @@ def fit(config: TrainConfig, model_config) -> tuple[TrainConfig, Plan]:
             "release_cache": "engine.release_cache" in plan.measures}),
         "offload": config.offload.model_copy(update={
             "embedding": "offload.embedding" in plan.measures,
-            "optimizer": "offload.optimizer" in plan.measures})})
+            "optimizer": "offload.optimizer" in plan.measures,
+            "activations": "offload.activations" in plan.measures})})
     return planned, plan
 
 

@@ -19,7 +19,9 @@ which this does not model). The terms, decimal GB:
 - kv_cache: keys and values of every layer for each token of each sequence, in BF16, or
   with ``kv_cache`` fp8 in one byte each plus two fp32 scales per (layer, kv head) a
   sequence (engine.kv_cache, qerl/formats/kv_cache.py);
-- checkpointed: each layer's input for one micro-batch, kept for the backward pass;
+- checkpointed: each layer's input for one micro-batch, kept for the backward pass; with
+  ``activations_on_host`` (offload.activations) they wait in the host's memory and the
+  GPU holds the one brought back for its layer's recompute;
 - layer: one layer's activations while it is recomputed in the backward pass: for lora and
   qerl 4 intermediate-sized and 8 hidden-sized BF16 tensors a token (fitted to the measured
   7B, 14B and 32B steps: LoRA added inside the GEMM, Liger's norm and SwiGLU); qlora's
@@ -70,8 +72,8 @@ class Step:
     """What one RL step holds at once: ``sequences`` in the rollout's KV cache,
     ``micro_batch`` sequences a forward and backward, each of ``prompt_len + completion``
     tokens; LoRA of ``rank`` trained by ``optimizer``; the KV cache's format ``kv_cache``
-    (engine.kv_cache). Memory measures: the input embedding and the optimizer's moments in
-    the host's memory, the KV cache freed while training."""
+    (engine.kv_cache). Memory measures: the input embedding, the optimizer's moments and
+    the checkpointed layer inputs in the host's memory, the KV cache freed while training."""
 
     method: str
     sequences: int
@@ -83,6 +85,7 @@ class Step:
     embedding_on_host: bool = False
     optimizer_on_host: bool = False
     cache_released: bool = False
+    activations_on_host: bool = False
     kv_cache: str = DEFAULT
 
     def __post_init__(self) -> None:
@@ -144,7 +147,8 @@ def step_memory(config, step: Step) -> dict[str, float]:
         "lora": adapters * (HOST_OPTIMIZER_BYTES if step.optimizer_on_host
                             else ADAPTER_BYTES[step.optimizer]),
         "kv_cache": layers * 2 * (kv_token * step.tokens + kv_scales) * step.sequences,
-        "checkpointed": layers * step.micro_batch * step.tokens * hidden * BF16,
+        "checkpointed": (1 if step.activations_on_host else layers) * step.micro_batch
+        * step.tokens * hidden * BF16,
         "layer": step.micro_batch * step.tokens * per_token * BF16 + decoded,
         "logprob": min(scored, TOKEN_TILE) * min(config.vocab_size, VOCAB_TILE) * BF16
         + scored * hidden * (BF16 + 4),

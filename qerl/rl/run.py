@@ -147,7 +147,8 @@ def build_trainer(config: TrainConfig, callbacks: list | None = None):
 
 # Settings that may change between a run and its resumption: they change nothing learned.
 RESUMABLE = {"device", "train.report_to", "train.logging_steps", "train.save_steps",
-             "train.save_total_limit", "engine.release_cache", "offload.embedding"}
+             "train.save_total_limit", "engine.release_cache", "offload.embedding",
+             "offload.activations"}
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

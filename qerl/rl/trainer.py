@@ -66,6 +66,13 @@ def tis_enabled(config: TrainConfig) -> bool:
     return config.engine.backend == "vllm" or config.engine.kv_cache == "fp8"
 
 
+def checkpointing_kwargs(config: TrainConfig, use_cpu: bool) -> dict | None:
+    """The Trainer's gradient_checkpointing_kwargs: transformers' ``offload`` of the layer
+    inputs for offload.activations on a GPU. On a CPU they are in host memory already (and
+    transformers' offload asks for pinned memory, which a CPU-only torch has none of)."""
+    return {"offload": True} if config.offload.activations and not use_cpu else None
+
+
 def grpo_args(config: TrainConfig, use_cpu: bool) -> GRPOConfig:
     rl, train = config.rl, config.train
     return GRPOConfig(
@@ -77,6 +84,7 @@ def grpo_args(config: TrainConfig, use_cpu: bool) -> GRPOConfig:
         adam_beta2=train.adam_beta2, warmup_steps=train.warmup_ratio,
         lr_scheduler_type=train.lr_scheduler, max_grad_norm=train.max_grad_norm,
         gradient_checkpointing=train.gradient_checkpointing,
+        gradient_checkpointing_kwargs=checkpointing_kwargs(config, use_cpu),
         save_strategy="steps", save_steps=train.save_steps,
         save_total_limit=train.save_total_limit, logging_steps=train.logging_steps,
         report_to=list(train.report_to), use_cpu=use_cpu, bf16=not use_cpu,
@@ -150,6 +158,22 @@ def _align_special_tokens(model, tokenizer) -> None:
         logging.set_verbosity(level)
 
 
+def _keep_checkpoint_offload(model) -> None:
+    """Gradient checkpointing turned on again keeps transformers' ``offload`` of the layer
+    inputs (offload.activations). TRL turns it off around its no-grad forward and on again
+    with ``gradient_checkpointing_enable(args.gradient_checkpointing_kwargs)``, which hands
+    the Trainer's own ``offload`` key to torch's checkpoint (a TypeError) where the Trainer
+    pops it: the key goes back where transformers takes it."""
+    enable = model.gradient_checkpointing_enable
+
+    def gradient_checkpointing_enable(gradient_checkpointing_kwargs=None, **kwargs):
+        kwargs_ = dict(gradient_checkpointing_kwargs or {})
+        kwargs["offload"] = kwargs_.pop("offload", kwargs.get("offload", True))
+        return enable(gradient_checkpointing_kwargs=kwargs_ or None, **kwargs)
+
+    model.gradient_checkpointing_enable = gradient_checkpointing_enable
+
+
 class QerlGRPOTrainer(GRPOTrainer):
     def __init__(self, policy, config: TrainConfig, tokenizer, train_dataset,
                  callbacks: list | None = None):
@@ -167,6 +191,8 @@ class QerlGRPOTrainer(GRPOTrainer):
                          callbacks=[*(callbacks or [])])
         if config.offload.optimizer:  # transformers' create_optimizer builds it
             self.optimizer_cls_and_kwargs = host_adamw_cls_and_kwargs(self.args)
+        if (self.args.gradient_checkpointing_kwargs or {}).get("offload"):
+            _keep_checkpoint_offload(self.model)
         if rl.dynamic_sampling and self.accelerator.num_processes > 1:
             raise ConfigError("rl.dynamic_sampling runs on one process for now (refills "
                               "would have to agree across processes); turn it off for "

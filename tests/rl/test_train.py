@@ -436,18 +436,49 @@ def test_the_kv_cache_format_is_bf16_or_fp8(tmp_path):
         parse_config({**raw, "engine": {"kv_cache": "fp8", "backend": "vllm"}})
 
 
+def test_checkpoint_offload_survives_trls_toggling(tmp_path):
+    """offload.activations on a GPU: transformers' Trainer turns checkpointing on with its
+    ``offload`` key, and TRL's off-and-on-again around a no-grad forward passes the same
+    dict back, which the model would hand to torch's checkpoint (a TypeError): the key is
+    put back where transformers takes it, each time."""
+    from qerl.rl.trainer import _keep_checkpoint_offload, checkpointing_kwargs
+
+    raw = settings("m", tmp_path, gradient_checkpointing=True)
+    raw["offload"] = {"activations": True}
+    config = parse_config(raw)
+    assert checkpointing_kwargs(config, use_cpu=False) == {"offload": True}
+    assert checkpointing_kwargs(config, use_cpu=True) is None
+    calls = []
+
+    class Model:
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):
+            calls.append((gradient_checkpointing_kwargs, kwargs))
+
+    model = Model()
+    _keep_checkpoint_offload(model)
+    model.gradient_checkpointing_enable({"offload": True})  # TRL's, positional
+    model.gradient_checkpointing_enable({"offload": True, "use_reentrant": False})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=None, every_n_layers=2)
+    assert calls == [(None, {"offload": True}), ({"use_reentrant": False}, {"offload": True}),
+                     (None, {"every_n_layers": 2, "offload": True})]
+    with pytest.raises(ConfigError, match="set train.gradient_checkpointing true"):
+        parse_config({**raw, "train": {**raw["train"], "gradient_checkpointing": False}})
+
+
 def test_the_memory_measures_change_nothing_learned(chat_model, tmp_path):
-    """The input embedding and AdamW's state in host memory and the KV cache freed between
-    rollouts (what a memory budget may take) move memory, not numbers: four steps log what
-    the same run without them logs (the host AdamW runs the CPU's fused kernel where the
-    Trainer's adamw_torch runs its single-tensor loop, which differ by fp32 rounding), and
-    the adapters end the same to that rounding; interrupted, the run resumes exactly."""
+    """The input embedding, AdamW's state and checkpointing's layer inputs in host memory
+    and the KV cache freed between rollouts (what a memory budget may take) move memory,
+    not numbers: four steps log what the same run without them logs (the host AdamW runs
+    the CPU's fused kernel where the Trainer's adamw_torch runs its single-tensor loop,
+    which differ by fp32 rounding), and the adapters end the same to that rounding;
+    interrupted, the run resumes exactly. (On a CPU the layer inputs are in host memory
+    already: test_checkpoint_offload_survives_trls_toggling checks that measure's path.)"""
     from safetensors.torch import load_file
 
     plain, moved = tmp_path / "plain", tmp_path / "moved"
-    run(settings(chat_model, plain, max_steps=4))
-    raw = settings(chat_model, moved, max_steps=4)
-    raw["offload"] = {"embedding": True, "optimizer": True}
+    run(settings(chat_model, plain, max_steps=4, gradient_checkpointing=True))
+    raw = settings(chat_model, moved, max_steps=4, gradient_checkpointing=True)
+    raw["offload"] = {"embedding": True, "optimizer": True, "activations": True}
     raw["engine"] = {"release_cache": True}
     trainer = run(raw)
     assert trainer._engine.cache is None
