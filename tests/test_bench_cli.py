@@ -213,6 +213,26 @@ def test_vllm_rows_serve_our_exports_with_and_without_an_adapter(fake_vllm, tmp_
         assert list((tmp_path / kind).iterdir()) == []
 
 
+def test_vllm_rows_serve_each_kv_cache_format_as_vllms_own_option(fake_vllm, tmp_path):
+    """Our fp8 KV cache is vLLM's kv_cache_dtype "fp8" (no scales given: vLLM's default),
+    BF16's its "auto" (the model's dtype), each in an engine of its own from one export, and
+    each row names the format (stand-in vLLM, CPU)."""
+    from qerl.bench.vllm_rollout import VLLM_KV_CACHE, bench_vllm
+    from qerl.formats.kv_cache import KV_CACHES
+    from tests.fake_vllm import FakeLLM
+
+    assert set(VLLM_KV_CACHE) == set(KV_CACHES)
+    rows = bench_vllm("tiny-llama", "vllm-nvfp4", [0], [1], [5], 4, tmp_path, device="cpu",
+                      isolate=False, caches=("fp8", "bf16"))
+    assert [llm.kwargs["kv_cache_dtype"] for llm in FakeLLM.instances] == ["fp8", "auto"]
+    assert not any("kv_scale" in key for llm in FakeLLM.instances for key in llm.kwargs)
+    assert [(r["kv_cache"], r["batch"]) for r in rows] == [("fp8", 1), ("bf16", 1)]
+    FakeLLM.instances = []
+    bench_vllm("tiny-llama", "vllm-bf16", [0], [1], [5], 4, tmp_path, device="cpu",
+               isolate=False)
+    assert [llm.kwargs["kv_cache_dtype"] for llm in FakeLLM.instances] == ["auto"]
+
+
 def test_vllm_rows_refuse_a_wrong_length_and_a_missing_vllm(fake_vllm, tmp_path, monkeypatch):
     import sys
 
@@ -408,10 +428,116 @@ def test_decode_step_runs_the_engines_asked_for(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(decode_step.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(decode_step, "provenance", lambda device: {"card": "card"})
     monkeypatch.setattr(decode_step, "measure",
-                        lambda *args: seen.append(args[-1]) or [])
+                        lambda *args: seen.append(args[-2]) or [])
     decode_step.main(["--out-dir", str(tmp_path), "--weights", "bf16", "--fused", "1"])
     decode_step.main(["--out-dir", str(tmp_path), "--weights", "bf16"])
     assert seen == [(True,), (True, False)]
+
+
+def test_the_rollout_benchmarks_take_kv_cache_formats(monkeypatch, tmp_path, capsys):
+    """--kv-cache takes a comma list of engine.kv_cache's formats (default BF16's alone),
+    each measured in order; an unknown or repeated one is refused by the option's name
+    before a GPU is looked for."""
+    from qerl.bench import decode_step, rollout
+
+    for bench in (decode_step, rollout):  # one option, one check (bench/throughput.py)
+        for bad in ("int8", "bf16,fp4", "fp8,fp8", ""):
+            with pytest.raises(SystemExit):
+                bench.main(["--kv-cache", bad])
+            assert "--kv-cache takes each of bf16, fp8 at most once" in capsys.readouterr().err
+    seen = []
+    monkeypatch.setattr(decode_step.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(decode_step, "provenance", lambda device: {"card": "card"})
+    monkeypatch.setattr(decode_step, "measure", lambda *args: seen.append(args[-1]) or [])
+    for given in ([], ["--kv-cache", "fp8"], ["--kv-cache", "fp8,bf16"]):
+        decode_step.main(["--out-dir", str(tmp_path), "--weights", "bf16", *given])
+    assert seen == [("bf16",), ("fp8",), ("fp8", "bf16")]
+
+
+@pytest.fixture
+def engines_made(monkeypatch) -> list[tuple]:
+    """(kv_cache, the cache's dtype, fused) of each Engine made from now on."""
+    from qerl.rollout import Engine
+
+    made, init = [], Engine.__init__
+
+    def spied(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append((self.kv_cache, self.cache.k.dtype, self.decoder.fused))
+
+    monkeypatch.setattr(Engine, "__init__", spied)
+    return made
+
+
+def test_a_decode_step_is_measured_in_each_kv_cache_format(monkeypatch, engines_made):
+    """Each format asked for gets an engine of its own, in that format, for every batch,
+    and each row names its format (CPU, a tiny model; the profiler's events and the
+    prefill's time given)."""
+    from types import SimpleNamespace
+
+    from qerl.bench import decode_step
+    from tests.rollout.test_engine import tiny
+
+    model = tiny("qwen2", torch.float32, 0)
+    monkeypatch.setattr(decode_step, "build_policy", lambda *args, **kwargs: model)
+    def profiled(fn):
+        fn()
+        return SimpleNamespace(key_averages=lambda: [], events=lambda: [])
+
+    monkeypatch.setattr(decode_step, "_profiled", profiled)
+    monkeypatch.setattr(decode_step, "_prefill_ms", lambda engine, batch, length: (1.0, 0.5))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    rows = decode_step.measure("tiny", "bf16", 4, [1, 2], 6, 5, engines=(False,),
+                               caches=("bf16", "fp8"))
+    assert engines_made == [("bf16", torch.float32, False),
+                            ("fp8", torch.float8_e4m3fn, False)]
+    assert [(r["kv_cache"], r["batch"], r["fused"]) for r in rows] == [
+        ("bf16", 1, 0), ("bf16", 2, 0), ("fp8", 1, 0), ("fp8", 2, 0)]
+
+
+def test_the_rollout_benchmark_runs_each_engine_in_each_kv_cache_format(
+        monkeypatch, tmp_path, engines_made):
+    """The engine's rows in the format asked for (CPU, a tiny model); in a run, every row
+    names its format: the engine's and vLLM's each format asked for, Hugging Face
+    generate's its own BF16 cache."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    import qerl.bench.rollout as rollout
+    from tests.rollout.test_engine import tiny
+
+    rollout.bench_engine(tiny("qwen2", torch.float32, 0), [2], [5], 3, fused=False,
+                         kv_cache="fp8")
+    assert engines_made == [("fp8", torch.float8_e4m3fn, False)]
+    engine_calls, vllm_calls = [], []
+
+    def engine_rows(policy, batches, prompt_lens, gen_len, fused, group, kv_cache):
+        engine_calls.append((kv_cache, fused))
+        return [{"batch": 1, "tok_per_s": 1.0}]
+
+    def vllm_rows(*args, caches, **kwargs):
+        vllm_calls.append(caches)
+        return [{"lora_rank": 0, "kv_cache": c, "batch": 1, "tok_per_s": 2.0} for c in caches]
+
+    monkeypatch.setattr(rollout.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(rollout, "provenance", lambda device: {"card": "Stand-in"})
+    monkeypatch.setattr(rollout, "build_policy",
+                        lambda *args, **kwargs: SimpleNamespace(model=None))
+    monkeypatch.setattr(rollout, "bench_engine", engine_rows)
+    monkeypatch.setattr(rollout, "bench_hf",
+                        lambda *args: [{"batch": 1, "tok_per_s": 0.5}])
+    monkeypatch.setattr(rollout, "bench_vllm", vllm_rows)
+    monkeypatch.setattr(rollout, "summary", lambda *args, **kwargs: "")
+    rollout.main(["--archs", "qwen2.5-7b", "--weights", "nvfp4,hf-bf16,vllm-bf16",
+                  "--ranks", "32", "--batches", "1", "--prompt-lens", "8", "--fused", "1,0",
+                  "--kv-cache", "bf16,fp8", "--out-dir", str(tmp_path)])
+    assert engine_calls == [("bf16", True), ("bf16", False), ("fp8", True), ("fp8", False)]
+    assert vllm_calls == [("bf16", "fp8")]
+    rows = pd.read_csv(next(tmp_path.glob("rollout_*.csv")))
+    assert list(zip(rows.weights, rows.kv_cache, rows.fused.fillna(-1), strict=True)) == [
+        ("nvfp4", "bf16", 1), ("nvfp4", "bf16", 0), ("nvfp4", "fp8", 1), ("nvfp4", "fp8", 0),
+        ("hf-bf16", "bf16", 0), ("vllm-bf16", "bf16", -1), ("vllm-bf16", "fp8", -1)]
 
 
 def _children_running(code: str) -> int:

@@ -8,6 +8,7 @@ spends between kernels (each graph node's launch, a kernel waiting on the one be
 
     qerl bench decode-step                 # -> results/bench/decode_step_<card>.csv
     qerl bench decode-step --archs qwen2.5-7b --batches 1,32 --slot 700
+    qerl bench decode-step --kv-cache bf16,fp8   # the 8-bit KV cache beside BF16's
 
 The cache holds ``--slot`` tokens of context (a mid-rollout step at prompt 256 / generate
 1024). Kernels are counted by torch.profiler over one eager step, and their time summed by
@@ -16,7 +17,9 @@ the part of the step they do (``PARTS``: ``matmul_ms``, ``lora_ms``, ``attention
 part of the replay). Beside each step, a prefill of ``--prefill-len`` tokens a sequence is
 timed (``prefill_ms``, the median of up to five calls) with the time some kernel of it runs
 (``prefill_busy_ms``): at few sequences the host launching the prefill's kernels, not the
-GPU, can set its time.
+GPU, can set its time. ``--kv-cache`` names the engine's KV cache formats (``kv_cache``,
+qerl/formats/kv_cache.py), each measured in this run beside the others: an fp8 cache halves
+the bytes the step's attention reads.
 """
 
 from __future__ import annotations
@@ -30,8 +33,16 @@ from pathlib import Path
 import torch
 
 from qerl.bench.rollout import WEIGHTS
-from qerl.bench.throughput import add_fused_argument, fused_modes, largest_engine, timed
+from qerl.bench.throughput import (
+    add_fused_argument,
+    add_kv_cache_argument,
+    fused_modes,
+    kv_caches,
+    largest_engine,
+    timed,
+)
 from qerl.config import LoraSettings
+from qerl.formats.kv_cache import DEFAULT as DEFAULT_KV_CACHE
 from qerl.help_format import HelpFormatter
 from qerl.policy import build_policy
 from qerl.record import append_rows, per_card, provenance
@@ -159,31 +170,35 @@ def _prefill_ms(engine: Engine, batch: int, length: int, budget_s: float = 1.0,
 
 
 def measure(arch: str, weights: str, rank: int, batches: list[int], slot: int,
-            prefill_len: int, engines: tuple[bool, ...] = (True, False)) -> list[dict]:
+            prefill_len: int, engines: tuple[bool, ...] = (True, False),
+            caches: tuple[str, ...] = (DEFAULT_KV_CACHE,)) -> list[dict]:
     policy = build_policy(WEIGHTS[weights], arch=arch, device="cuda",
                           lora=LoraSettings(rank=rank, alpha=rank))
     rows = []
-    for fused in engines:
-        engine, fit = largest_engine(policy, batches, max(slot, prefill_len) + 2, fused=fused)
+    for kv_cache, fused in ((c, f) for c in caches for f in engines):
+        engine, fit = largest_engine(policy, batches, max(slot, prefill_len) + 2, fused=fused,
+                                     kv_cache=kv_cache)
         for batch in fit:
-            prompts = torch.randint(0, 1000, (batch, slot)).tolist()
+            prompts = torch.randint(0, engine.model.config.vocab_size, (batch, slot)).tolist()
             engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
-            ids = torch.zeros((batch, 1), dtype=torch.long, device="cuda")
-            at = torch.tensor(slot, device="cuda")
+            ids = torch.zeros((batch, 1), dtype=torch.long, device=engine.device)
+            at = torch.tensor(slot, device=engine.device)
             with engine._eval():
                 step_ms = _replay_ms(engine, ids, slot, at)
                 kernels, kernel_ms, top, parts = _kernels(engine, ids, slot, at, batch)
                 busy = _replay_busy_ms(engine, ids, slot, at, kernels)
             prefill_ms, prefill_busy = _prefill_ms(engine, batch, prefill_len)
             rows.append({"model": arch, "weights": weights, "lora_rank": rank,
-                         "fused": int(fused), "batch": batch, "context": slot,
+                         "fused": int(fused), "kv_cache": kv_cache, "batch": batch,
+                         "context": slot,
                          "step_ms": round(step_ms, 3), "kernels": kernels,
                          "kernel_ms": round(kernel_ms, 3),
                          "busy_ms": None if busy is None else round(busy, 3),
                          **{f"{part}_ms": round(ms, 3) for part, ms in parts.items()},
                          "prefill_len": prefill_len, "prefill_ms": round(prefill_ms, 3),
                          "prefill_busy_ms": round(prefill_busy, 3), "top_kernels": top})
-            print(f"  {weights} fused={int(fused)} batch {batch}: {step_ms:.2f} ms, "
+            print(f"  {weights} fused={int(fused)} {kv_cache} cache batch {batch}: "
+                  f"{step_ms:.2f} ms, "
                   f"{kernels} kernels taking {kernel_ms:.2f} ms, busy in a replay "
                   f"{'(not seen)' if busy is None else f'{busy:.2f} ms'}; a prefill of "
                   f"{prefill_len} tokens {prefill_ms:.1f} ms, busy {prefill_busy:.1f} ms",
@@ -205,8 +220,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill-len", type=int, default=256,
                         help="prompt tokens of the prefill timed beside each step")
     add_fused_argument(parser, "1,0")
+    add_kv_cache_argument(parser)
     args = parser.parse_args(argv)
     engines = fused_modes(parser, args.fused)
+    caches = kv_caches(parser, args.kv_cache)
     if not torch.cuda.is_available():
         raise SystemExit("qerl bench decode-step: needs a CUDA GPU (none found)")
     base = provenance("cuda")
@@ -215,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     for arch in args.archs.split(","):
         for weights in args.weights.split(","):
             rows = measure(arch, weights, args.rank, batches, args.slot, args.prefill_len,
-                           engines)
+                           engines, caches)
             append_rows(path, [{**base, **row} for row in rows])
             gc.collect()
             torch.cuda.empty_cache()

@@ -81,11 +81,13 @@ BENCHMARKS = (
               setting=("prompts", "tokens", "sigma"),
               metrics=("own_entropy", "shared_entropy", "shared_minus_bf16"),
               model_from_path=True),
+    # group: every prompt distinct before --group; kv_cache: BF16 before --kv-cache.
     Benchmark("rollout", ("bench/**/rollout_*.csv",), "rollout", "qerl.bench.rollout",
               rule="bench", method="weights",
-              setting=("lora_rank", "batch", "group", "prompt_len", "gen_len", "fused"),
+              setting=("lora_rank", "batch", "group", "prompt_len", "gen_len", "fused",
+                       "kv_cache"),
               metrics=("tok_per_s", "first_token_s", "step_ms", "peak_gb"),
-              defaults={"group": 1}),  # every prompt distinct before --group
+              defaults={"group": 1, "kv_cache": "bf16"}),
     Benchmark("kernels", ("bench/**/kernels_*.csv",), "kernels", "qerl.bench.matmul",
               rule="bench", method="op", setting=("layer", "M"),
               metrics=("speedup_vs_bf16", "ceiling_vs_bf16", "ours_us", "bf16_us",
@@ -100,10 +102,11 @@ BENCHMARKS = (
               model_in_layer=True),
     Benchmark("decode_step", ("bench/**/decode_step_*.csv",), "decode-step",
               "qerl.bench.decode_step", rule="bench", method="weights",
-              setting=("lora_rank", "fused", "batch", "context"),
+              setting=("lora_rank", "fused", "kv_cache", "batch", "context"),
               metrics=("step_ms", "kernels", "kernel_ms", "busy_ms", "matmul_ms", "lora_ms",
                        "attention_ms", "norm_ms", "other_ms", "sampling_ms", "prefill_ms",
-                       "prefill_busy_ms")),
+                       "prefill_busy_ms"),
+              defaults={"kv_cache": "bf16"}),  # BF16 before --kv-cache
     # busy: processes kept busy beside a CPU measurement (--busy); none before. memory_gb:
     # the budget the step was fitted to (--memory-gb); 0, none.
     Benchmark("step", ("bench/**/efficiency_*.csv",), "step", "qerl.bench.step", rule="bench",

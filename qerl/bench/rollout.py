@@ -10,6 +10,8 @@ and NVFP4 (qerl/bench/vllm_rollout.py), at Qwen2.5 shapes with random weights.
         --ranks 32 --batches 1,32,128     # vLLM beside the engine (and without LoRA)
     qerl bench rollout --archs qwen2.5-7b --weights bf16,nvfp4 --ranks 32 \\
         --batches 64,128,256 --group 8    # as GRPO samples: 8 completions of each prompt
+    qerl bench rollout --archs qwen2.5-7b --weights nvfp4,vllm-bf16 --ranks 32 \\
+        --vllm-ranks 0 --kv-cache bf16,fp8  # the 8-bit KV cache beside BF16's, on both
     qerl report                           # its tables and figures, with the paper's numbers
 
 Every sequence runs to gen_len (EOS ignored), sampling at temperature 1; tokens/s counts
@@ -23,6 +25,11 @@ default) holds none of them: every engine pays the prefill, as for an RL step's 
 prompts. Hugging Face generate runs the bare BF16
 model with its default (dynamic) cache, at --hf-gen-len tokens, batch sizes up to
 --hf-max-batch.
+
+``--kv-cache`` names the KV cache formats (``kv_cache``, qerl/formats/kv_cache.py), each
+measured in this run beside the others: the engine's ``Engine(kv_cache=...)``, vLLM's
+``kv_cache_dtype`` (qerl/bench/vllm_rollout.py); Hugging Face generate's rows keep its own
+cache, in the model's BF16.
 """
 
 from __future__ import annotations
@@ -37,8 +44,10 @@ import torch
 
 from qerl.bench.throughput import (
     add_fused_argument,
+    add_kv_cache_argument,
     call_prompts,
     fused_modes,
+    kv_caches,
     largest_engine,
     throughput_row,
     timed,
@@ -46,6 +55,7 @@ from qerl.bench.throughput import (
 from qerl.bench.vllm_rollout import KINDS as VLLM_KINDS
 from qerl.bench.vllm_rollout import bench_vllm
 from qerl.config import LoraSettings
+from qerl.formats.kv_cache import DEFAULT as DEFAULT_KV_CACHE
 from qerl.help_format import HelpFormatter
 from qerl.policy import build_policy
 from qerl.record import append_rows, per_card, provenance
@@ -55,10 +65,11 @@ from qerl.rollout import SamplingParams
 WEIGHTS = {"bf16": "lora", "nvfp4": "qerl", "nf4": "qlora"}  # engine weights -> policy method
 
 
-def bench_engine(policy, batches, prompt_lens, gen_len, fused: bool, group: int = 1
-                 ) -> list[dict]:
+def bench_engine(policy, batches, prompt_lens, gen_len, fused: bool, group: int = 1,
+                 kv_cache: str = DEFAULT_KV_CACHE) -> list[dict]:
     vocab = policy.config.vocab_size
-    engine, fit = largest_engine(policy, batches, max(prompt_lens) + gen_len, fused=fused)
+    engine, fit = largest_engine(policy, batches, max(prompt_lens) + gen_len, fused=fused,
+                                 kv_cache=kv_cache)
     rows = []
     for prompt_len in prompt_lens:
         for batch in fit:
@@ -110,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hf-gen-len", type=int, default=256)
     parser.add_argument("--hf-max-batch", type=int, default=32)
     add_fused_argument(parser, "1")
+    add_kv_cache_argument(parser)
     parser.add_argument("--vllm-ranks", default=None,
                         help="LoRA ranks of the vllm-* rows, 0 for no adapter (default: "
                              "--ranks and 0)")
@@ -120,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
                              "the system's temporary folder; a 32B NVFP4 one is ~20 GB)")
     args = parser.parse_args(argv)
     engines = fused_modes(parser, args.fused)
+    caches = kv_caches(parser, args.kv_cache)
     batches = [int(b) for b in args.batches.split(",")]
     if args.group < 1 or any(b % args.group for b in batches):
         parser.error(f"--group {args.group} must divide every batch ({args.batches})")
@@ -144,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
                 with tempfile.TemporaryDirectory(dir=args.workdir, prefix="qerl-vllm-") as work:
                     rows = bench_vllm(arch, kind, vllm_ranks, batches, prompt_lens,
                                       args.gen_len, Path(work), memory=args.vllm_memory,
-                                      group=args.group)
+                                      group=args.group, caches=caches)
                 append_rows(path, [{**base, "model": arch, "weights": kind, "fused": None,
                                     "group": args.group, **row} for row in rows])
                 continue
@@ -154,15 +167,18 @@ def main(argv: list[str] | None = None) -> None:
                     policy = build_policy("full", arch=arch, device="cuda")
                     rows = bench_hf(policy.model, [b for b in batches if b <= args.hf_max_batch],
                                     prompt_lens, args.hf_gen_len, args.group)
-                    rows = [{"fused": 0, **row} for row in rows]
+                    # its own dynamic cache, in the model's dtype, whatever --kv-cache
+                    rows = [{"fused": 0, "kv_cache": "bf16", **row} for row in rows]
                 else:
                     policy = build_policy(WEIGHTS[kind], arch=arch, device="cuda",
                                           lora=LoraSettings(rank=rank, alpha=rank))
                     rows = []
-                    for fused in engines:
-                        print(f" fused={int(fused)}", flush=True)
-                        rows += [{"fused": int(fused), **row} for row in bench_engine(
-                            policy, batches, prompt_lens, args.gen_len, fused, args.group)]
+                    for kv_cache, fused in ((c, f) for c in caches for f in engines):
+                        print(f" fused={int(fused)} {kv_cache} cache", flush=True)
+                        rows += [{"fused": int(fused), "kv_cache": kv_cache, **row}
+                                 for row in bench_engine(policy, batches, prompt_lens,
+                                                         args.gen_len, fused, args.group,
+                                                         kv_cache)]
                 append_rows(path, [{**base, "model": arch, "weights": kind, "lora_rank": rank,
                                     "group": args.group, **row} for row in rows])
                 del policy

@@ -9,6 +9,9 @@ import time
 
 import torch
 
+from qerl.formats.kv_cache import DEFAULT as DEFAULT_KV_CACHE
+from qerl.formats.kv_cache import KV_CACHES
+
 
 def add_fused_argument(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument("--fused", default=default,
@@ -21,6 +24,22 @@ def fused_modes(parser: argparse.ArgumentParser, text: str) -> tuple[bool, ...]:
     if any(f not in ("0", "1") for f in text.split(",")):
         parser.error(f"--fused takes 1, 0 or both (1,0), got {text!r}")
     return tuple(f == "1" for f in text.split(","))
+
+
+def add_kv_cache_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-cache", default=DEFAULT_KV_CACHE,
+                        help=f"the engines' KV cache formats ({', '.join(KV_CACHES)}: "
+                             "engine.kv_cache), comma-separated: each measured in this run "
+                             "beside the others")
+
+
+def kv_caches(parser: argparse.ArgumentParser, text: str) -> tuple[str, ...]:
+    """--kv-cache's formats in order, each once, or the parser's error."""
+    formats = tuple(text.split(","))
+    if not set(formats) <= set(KV_CACHES) or len(set(formats)) < len(formats):
+        parser.error(f"--kv-cache takes each of {', '.join(KV_CACHES)} at most once, "
+                     f"comma-separated, got {text!r}")
+    return formats
 
 
 def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -8,6 +8,14 @@ shape with vLLM's dummy weights (speed does not depend on the values, and a 32B 
 checkpoint would fill a 64 GB disk). LoRA rank 0 serves no adapter (what LoRA costs vLLM);
 another rank a PEFT adapter of that rank, unmerged, as during RL.
 
+The KV cache (``--kv-cache``) is vLLM's own option for each of our formats
+(``VLLM_KV_CACHE``): bf16 is ``kv_cache_dtype="auto"`` (the model's dtype), fp8 its
+documented ``kv_cache_dtype="fp8"`` (E4M3 on NVIDIA cards), the engine otherwise as in the
+bf16 rows. Neither export carries KV scales and ``calculate_kv_scales`` stays off, so vLLM's
+fp8 cache runs uncalibrated, every scale 1.0: what vLLM does without a calibration (the
+llm-compressor one it recommends for accuracy would be stale after every RL step). A scale
+is a value, not a shape: it changes no kernel and no byte read, so not the speed.
+
 Each configuration runs in a process of its own, which gives the GPU back whole when it
 ends (vLLM keeps memory of an ended engine in the process that made it). peak_gb is left
 empty: vLLM sizes its KV cache to a share of the card (``--vllm-memory``), not to the batch.
@@ -27,9 +35,12 @@ from qerl.bench.throughput import call_prompts, throughput_row, timed
 from qerl.config import LoraSettings
 from qerl.errors import QerlError
 from qerl.export import export_for_vllm
+from qerl.formats.kv_cache import DEFAULT as DEFAULT_KV_CACHE
 from qerl.policy import build_policy
 
 KINDS = {"vllm-bf16": "lora", "vllm-nvfp4": "qerl"}  # served weights -> policy exported
+# Our KV cache formats (qerl.formats.kv_cache.KV_CACHES) -> vLLM's kv_cache_dtype.
+VLLM_KV_CACHE = {"bf16": "auto", "fp8": "fp8"}
 WARM_UP_TOKENS = 16
 
 
@@ -52,16 +63,16 @@ def export(arch: str, kind: str, rank: int, out: Path, device: str) -> Path:
 
 def measure(base: Path, adapter: Path | None, rank: int, kind: str, batches: list[int],
             prompt_lens: list[int], gen_len: int, vocab: int, memory: float,
-            group: int = 1) -> list[dict]:
+            group: int = 1, kv_cache: str = DEFAULT_KV_CACHE) -> list[dict]:
     """Rows of tokens/s for each prompt length and batch, one vLLM engine for them all
-    (``adapter``, of rank ``rank``, None: none)."""
+    (``adapter``, of rank ``rank``, None: none), its KV cache in our format ``kv_cache``."""
     import vllm
 
     llm = vllm.LLM(model=str(base), load_format="dummy" if kind == "vllm-bf16" else "auto",
                    skip_tokenizer_init=True, enable_lora=adapter is not None,
                    max_lora_rank=max(rank, 8), max_loras=1, max_num_seqs=max(batches),
                    max_model_len=max(prompt_lens) + gen_len, gpu_memory_utilization=memory,
-                   seed=0)
+                   kv_cache_dtype=VLLM_KV_CACHE[kv_cache], seed=0)
     request = None
     if adapter is not None:
         from vllm.lora.request import LoRARequest
@@ -90,8 +101,9 @@ def measure(base: Path, adapter: Path | None, rank: int, kind: str, batches: lis
             run("warm-up", min(WARM_UP_TOKENS, gen_len))
             first = timed(lambda: run("first token", 1))
             seconds = timed(lambda: run("timed", gen_len))
-            rows.append({"lora_rank": rank, **throughput_row(
-                "vllm ", batch, prompt_len, gen_len, seconds, first, peak=False)})
+            rows.append({"lora_rank": rank, "kv_cache": kv_cache, **throughput_row(
+                f"vllm {kv_cache} cache ", batch, prompt_len, gen_len, seconds, first,
+                peak=False)})
     return rows
 
 
@@ -104,10 +116,11 @@ def _child(results, *args) -> None:
 
 def bench_vllm(arch: str, kind: str, ranks: list[int], batches: list[int],
                prompt_lens: list[int], gen_len: int, workdir: Path, memory: float = 0.85,
-               device: str = "cuda", isolate: bool = True, group: int = 1) -> list[dict]:
+               device: str = "cuda", isolate: bool = True, group: int = 1,
+               caches: tuple[str, ...] = (DEFAULT_KV_CACHE,)) -> list[dict]:
     """vLLM's rows for one architecture and weights kind, each LoRA rank in ``ranks`` (0: no
-    adapter) served by an engine of its own (in a process of its own unless ``isolate`` is
-    off), its exports under ``workdir`` removed after."""
+    adapter) and KV cache format in ``caches`` served by an engine of its own (in a process
+    of its own unless ``isolate`` is off), its exports under ``workdir`` removed after."""
     try:
         import vllm  # noqa: F401
     except ImportError as e:
@@ -125,9 +138,10 @@ def bench_vllm(arch: str, kind: str, ranks: list[int], batches: list[int],
             where = out[rank or adapters[0]]
             if not (where / "base").is_dir():
                 export(arch, kind, rank or adapters[0], where, device)
-            args = (where / "base", where / "adapter" if rank else None, rank, kind,
-                    batches, prompt_lens, gen_len, vocab, memory, group)
-            rows += _isolated(args) if isolate else measure(*args)
+            for kv_cache in caches:
+                args = (where / "base", where / "adapter" if rank else None, rank, kind,
+                        batches, prompt_lens, gen_len, vocab, memory, group, kv_cache)
+                rows += _isolated(args) if isolate else measure(*args)
     finally:
         for where in out.values():
             shutil.rmtree(where, ignore_errors=True)

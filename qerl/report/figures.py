@@ -13,7 +13,7 @@ import pandas as pd
 
 from qerl.record import per_card
 from qerl.report.collect import MISMATCH, different_runs, step_settings
-from qerl.report.tables import ROLLOUT_METHOD, efficiency, paper_model, rollout
+from qerl.report.tables import ROLLOUT_METHOD, cache_label, efficiency, paper_model, rollout
 from qerl.rl.phases import PHASES
 
 SMOOTH = 10  # steps in the running mean of the study's curves
@@ -166,9 +166,10 @@ def _one_run(rows: pd.DataFrame) -> pd.DataFrame:
 
 def rollout_by_rank(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
     """The paper's rollout figure, per card: tokens/s against LoRA rank for each (model,
-    batch, samples a prompt, prompt, generated length) whose newest run measured several
-    ranks, a line per weights, the paper's numbers dashed in the same colour (its LoRA,
-    QLoRA and QeRL: our bf16, nf4 and nvfp4), Hugging Face generate as a dotted level."""
+    batch, samples a prompt, prompt, generated length, KV cache format) whose newest run
+    measured several ranks, a line per weights, the paper's numbers dashed in the same colour
+    (its LoRA, QLoRA and QeRL: our bf16, nf4 and nvfp4), Hugging Face generate as a dotted
+    level."""
     engine = _engine_rollouts(frames)
     if engine is None:
         return []
@@ -176,7 +177,7 @@ def rollout_by_rank(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
     theirs = paper[(paper.metric == "rollout_throughput") & paper.lora_rank.notna()]
     theirs = theirs.assign(model=theirs.model.map(paper_model))
     colours = {w: f"C{i}" for i, w in enumerate(ROLLOUT_METHOD)}
-    settings = ["model", "batch", "group", "prompt_len", "gen_len"]
+    settings = ["model", "batch", "group", "prompt_len", "gen_len", "kv_cache"]
     written = []
     for card, rows in engine.groupby("card"):
         panels = [(k, run) for k, g in rows.groupby(settings, dropna=False)
@@ -185,8 +186,8 @@ def rollout_by_rank(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
             continue
         fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8),
                                  squeeze=False)
-        for ax, ((model, batch, group, prompt_len, gen_len), sel) in zip(axes[0], panels,
-                                                                          strict=True):
+        for ax, ((model, batch, group, prompt_len, gen_len, kv_cache), sel) in zip(
+                axes[0], panels, strict=True):
             for weights, g in sel.groupby("method"):
                 g = g.sort_values("lora_rank")
                 ax.plot(g.lora_rank, g.tok_per_s, marker="o", color=colours.get(weights),
@@ -202,7 +203,8 @@ def rollout_by_rank(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
             if len(hf):
                 ax.axhline(hf.tok_per_s.iloc[-1], color="grey", ls=":",
                            label="HF generate bf16")
-            shape = f"batch {batch:g}" + (f" ({group:g} a prompt)" if group != 1 else "")
+            shape = (f"batch {batch:g}" + (f" ({group:g} a prompt)" if group != 1 else "")
+                     + cache_label(kv_cache))
             ax.set(title=f"{model} {shape} prompt {prompt_len:g} gen {gen_len:g}",
                    xlabel="LoRA rank", ylabel="tokens/s")
             ax.legend(fontsize=7)
@@ -214,7 +216,7 @@ def rollout_by_rank(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
 def rollout_speedup(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
     """Per card: NVFP4's rollout tokens/s over BF16's (``tables.rollout``'s ratio: one run,
     LoRA attached) against the batch, a line per model, rank, samples a prompt, prompt and
-    generated length, for the engine as it runs (fused)."""
+    generated length and KV cache format, for the engine as it runs (fused)."""
     table = rollout(frames, paper)
     if table.empty or "nvfp4/bf16" not in table:
         return []
@@ -225,10 +227,11 @@ def rollout_speedup(frames: dict, paper: pd.DataFrame, out: Path) -> list[Path]:
         if rows.empty:
             continue
         fig, ax = plt.subplots(figsize=(6.5, 4))
-        for (model, rank, group, prompt_len, gen_len), g in rows.groupby(
-                ["model", "lora_rank", "group", "prompt_len", "gen_len"], dropna=False):
+        for (model, rank, group, prompt_len, gen_len, kv_cache), g in rows.groupby(
+                ["model", "lora_rank", "group", "prompt_len", "gen_len", "kv_cache"],
+                dropna=False):
             g = g.sort_values("batch")
-            shape = f" ({group:g} a prompt)" if group != 1 else ""
+            shape = (f" ({group:g} a prompt)" if group != 1 else "") + cache_label(kv_cache)
             ax.plot(g.batch, g["nvfp4/bf16"], marker="o",
                     label=f"{model} r{rank:g}{shape} prompt {prompt_len:g} gen {gen_len:g}")
         ax.axhline(1.0, color="grey", lw=0.8)

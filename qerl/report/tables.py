@@ -70,6 +70,35 @@ def _by_weights(frames: dict, kind: str, value: str, speedup: str, more: tuple =
     return wide
 
 
+# The KV cache format the others are compared with (qerl.formats.kv_cache: the model's own
+# dtype, every row's before --kv-cache).
+BASE_CACHE = "bf16"
+
+
+def cache_label(kv_cache: str) -> str:
+    """A KV cache format named where it is not BASE_CACHE (" fp8 KV cache"), else ""."""
+    return "" if kv_cache == BASE_CACHE else f" {kv_cache} KV cache"
+
+
+def _over_base_cache(rows: pd.DataFrame, wide: pd.DataFrame, index: list[str], value: str,
+                     rate: bool) -> pd.DataFrame:
+    """``wide`` (a row per ``index``, the KV cache format among it) with each weights'
+    speed in another KV cache format over its own in BASE_CACHE's, at the same settings and
+    from one run (``run_ratio`` over ``rows``), on that format's row: "WEIGHTS fp8/bf16
+    cache" of a rate, "WEIGHTS bf16/fp8 cache" of a time: above 1, that format is faster."""
+    on = [c for c in index if c != "kv_cache"]
+    base = rows[rows.kv_cache == BASE_CACHE]
+    for (weights, cache), other in rows[rows.kv_cache != BASE_CACHE].groupby(
+            ["method", "kv_cache"]):
+        own = base[base.method == weights]
+        over, under = (other, own) if rate else (own, other)
+        name = (f"{weights} {cache}/{BASE_CACHE} cache" if rate else
+                f"{weights} {BASE_CACHE}/{cache} cache")
+        paired = run_ratio(over, under, on, value).assign(kv_cache=cache)
+        wide = wide.merge(paired.rename(columns={"ratio": name}), on=index, how="left")
+    return wide
+
+
 def listing(kind: str):
     """The default table of a kind: one row per measurement, its settings and numbers."""
 
@@ -256,8 +285,8 @@ def entropy(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
 
 
 # The rollout tables' rows: the engine's settings, then LoRA rank, group and batch.
-ROLLOUT_ORDER = ["card", "model", "fused", "gen_len", "prompt_len", "lora_rank", "group",
-                 "batch"]
+ROLLOUT_ORDER = ["card", "model", "fused", "kv_cache", "gen_len", "prompt_len", "lora_rank",
+                 "group", "batch"]
 
 
 def _beside_engine(rows: pd.DataFrame) -> pd.DataFrame:
@@ -267,15 +296,20 @@ def _beside_engine(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def rollout(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
-    """Rollout tokens/s by weights (engine; hf-bf16 is Hugging Face generate, vllm-* vLLM),
-    NVFP4 and NF4 over BF16 and the engine over vLLM on the same weights, each from one run,
-    and the paper's qerl over LoRA at the same LoRA rank (its 7B number names none)."""
+    """Rollout tokens/s by weights (engine; hf-bf16 is Hugging Face generate, vllm-* vLLM)
+    and KV cache format, NVFP4 and NF4 over BF16 and the engine over vLLM on the same
+    weights and cache, each weights' fp8 cache over its BF16 one (``_over_base_cache``), each
+    from one run, and the paper's qerl over LoRA at the same LoRA rank (its 7B number names
+    none)."""
     if "rollout" not in frames:
         return pd.DataFrame()
     wide = _by_weights(frames, "rollout", "tok_per_s", "nvfp4/bf16",
                        more=[("nf4/bf16", "nf4", "bf16"),
                              *[(f"{w}/vllm", w, f"vllm-{w}") for w in ("bf16", "nvfp4")]],
                        rows=_beside_engine)
+    wide = _over_base_cache(_beside_engine(frames.get(every("rollout"), frames["rollout"])),
+                            wide, ["card", "model", *KINDS["rollout"].setting], "tok_per_s",
+                            rate=True)
     ref = paper[paper.metric == "rollout_throughput"]
     by_rank = {(paper_model(r.model), r.method, r.lora_rank): r.value for r in ref.itertuples()}
     unranked = {(paper_model(r.model), r.method): r.value for r in ref.itertuples()
@@ -299,9 +333,9 @@ UNADAPTED = "nvfp4/vllm-bf16 no LoRA"
 
 def _over_unadapted(rows: pd.DataFrame, wide: pd.DataFrame) -> pd.DataFrame:
     """wide[UNADAPTED]: our NVFP4 with its adapter over vLLM's BF16 with none (rank 0) at
-    the same card, model and shape, from one run (``run_ratio``): what LoRA costs vLLM at
-    large batch is the bar for 4-bit weights carrying an adapter."""
-    shape = ["card", "model", "batch", "group", "prompt_len", "gen_len"]
+    the same card, model, shape and KV cache format, from one run (``run_ratio``): what
+    LoRA costs vLLM at large batch is the bar for 4-bit weights carrying an adapter."""
+    shape = ["card", "model", "batch", "group", "prompt_len", "gen_len", "kv_cache"]
     plain = rows[(rows.method == "vllm-bf16") & (rows.lora_rank == 0)]
     ours = rows[(rows.method == "nvfp4") & (rows.lora_rank > 0) & (rows.fused != 0)]
     if plain.empty or ours.empty:
@@ -402,25 +436,29 @@ def step_ceiling(frames: dict, wide: pd.DataFrame) -> pd.Series:
 
 
 def decode_step(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
-    """One rollout decode step (ms, a CUDA-graph replay) by weights, NVFP4's speed over BF16
-    in the same run and the most the card would allow it (``step_ceiling``), and where
-    measured the time the step spends outside its kernels (the replay less the time a
-    kernel runs, overlaps counted once: "WEIGHTS between kernels ms"; the kernels' plain
-    sum, recorded before, would count a side stream's kernels twice)."""
+    """One rollout decode step (ms, a CUDA-graph replay) by weights and KV cache format,
+    NVFP4's speed over BF16 in the same run and the most the card would allow it
+    (``step_ceiling``), each weights' speed with an fp8 cache over its own with BF16's in
+    the same run (``_over_base_cache``), and where measured the time the step spends
+    outside its kernels (the replay less the time a kernel runs, overlaps counted once:
+    "WEIGHTS between kernels ms"; the kernels' plain sum, recorded before, would count a
+    side stream's kernels twice)."""
     ours = frames.get("decode_step")
     if ours is None:
         return pd.DataFrame()
     wide = _by_weights(frames, "decode_step", "step_ms", "bf16/nvfp4")
     wide["ceiling bf16/nvfp4"] = step_ceiling(frames, wide)
+    index = ["card", "model", *KINDS["decode_step"].setting]
+    wide = _over_base_cache(frames.get(every("decode_step"), ours), wide, index, "step_ms",
+                            rate=False)
     if "busy_ms" in ours:
-        index = ["card", "model", *KINDS["decode_step"].setting]
         # Both recorded to the microsecond: so is their difference.
         between = _wide(ours.assign(between=(ours.step_ms - ours.busy_ms).round(3)), index,
                         "method", "between")
         between = between.rename(columns={w: f"{w} between kernels ms"
                                            for w in between.columns if w not in index})
         wide = wide.merge(between, on=index, how="left")
-    return _sorted(wide, ["card", "model", "fused", "batch"])
+    return _sorted(wide, ["card", "model", "fused", "kv_cache", "batch"])
 
 
 STEP_PARTS = ("matmul_ms", "lora_ms", "attention_ms", "norm_ms", "other_ms")
@@ -437,7 +475,8 @@ def decode_step_parts(frames: dict, paper: pd.DataFrame | None = None) -> pd.Dat
     rows = ours[ours.matmul_ms.notna()].rename(columns={"method": "weights"})
     columns = ["card", "model", "weights", *KINDS["decode_step"].setting, "step_ms",
                *STEP_PARTS, "sampling_ms", "prefill_len", "prefill_ms", "prefill_busy_ms"]
-    return _sorted(rows[_present(rows, columns)], ["card", "model", "fused", "batch"])
+    return _sorted(rows[_present(rows, columns)], ["card", "model", "fused", "kv_cache",
+                                                   "batch"])
 
 
 def efficiency(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
@@ -489,8 +528,7 @@ def fits(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
 
     step = (rows.prompts.map("{:g}".format) + "x" + rows.generations.map("{:g}".format)
             + "x" + rows.completion.map("{:g}".format) + " r" + rows.lora_rank.map("{:g}".format)
-            + rows.get("kv_cache", pd.Series("bf16", rows.index)).fillna("bf16").map(
-                lambda f: "" if f == "bf16" else f" {f} KV cache"))
+            + rows.kv_cache.map(cache_label))
     rows = rows.assign(step=step, budget=rows.memory_gb.map("{:g} GB".format),
                        cell=[cell(r) for r in rows.itertuples()])
     index = ["card", "kernel_arch", "step", "model", "method"]
@@ -500,9 +538,10 @@ def fits(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
 
 
 # The settings the headline quotes: the rollout of the paper's 7B figure at the batch
-# sizes RL samples, and the layers that hold most of a model's weights.
+# sizes RL samples (in the BF16 KV cache, ours' and vLLM's default: an fp8 one is its own
+# claim), and the layers that hold most of a model's weights.
 HEADLINE_ROLLOUT = {"model": "qwen2.5-7b", "lora_rank": 32, "prompt_len": 256,
-                    "gen_len": 1024, "fused": 1}
+                    "gen_len": 1024, "fused": 1, "kv_cache": BASE_CACHE}
 HEADLINE_KERNELS = {"models": ("qwen2.5-7b", "qwen2.5-32b"), "layers": ("gate_up", "down"),
                     "m": (1, 64, 128, 256, 2048)}
 
@@ -613,9 +652,9 @@ def _claims(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
 
 # Ours beside the paper's rollout speed-ups (paper.csv): its tokens/s by LoRA rank are tens
 # a second at 14B and 32B, one sequence decoding, so ours at batch 1 (the headline's prompt
-# length, every prompt its own, the engine as it runs).
+# length, every prompt its own, the engine as it runs in its default BF16 KV cache).
 PAPER_ROLLOUT = {"batch": 1, "group": 1, "prompt_len": HEADLINE_ROLLOUT["prompt_len"],
-                 "fused": 1}
+                 "fused": 1, "kv_cache": BASE_CACHE}
 # The paper's numbers and what of ours each is compared with: (our table, how the paper's
 # number is compared).
 PAPER_COMPARED = {"gsm8k_accuracy": (accuracy, "pass@1 %"),

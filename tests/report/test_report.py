@@ -266,6 +266,73 @@ def test_the_rollout_phases_table_splits_each_rows_time(results):
     assert (one["vllm-nvfp4 first token s"], one["vllm-nvfp4 step ms"]) == (0.2, 5.4)
 
 
+def test_the_rollout_table_compares_kv_cache_formats_within_one_run(results):
+    """Each KV cache format is a row of its own, and every ratio between weights (NVFP4 over
+    BF16, ours over vLLM, over vLLM's BF16 without an adapter) pairs rows of one format;
+    each weights' fp8 cache over its own BF16 one pairs rows of one run. Rows from before
+    --kv-cache are BF16's, their keys unchanged; the headline keeps to the BF16 cache."""
+    base = {"card": CARD, "model": "qwen2.5-7b", "batch": 64, "prompt_len": 256,
+            "gen_len": 1024, "date": "2026-01-02 10:00", "run": "r1"}
+    rows = [{**base, "weights": w, "lora_rank": r, "fused": f, "kv_cache": c, "tok_per_s": t}
+            for w, r, f, c, t in [("bf16", 32, 1, "bf16", 1000.0),
+                                  ("nvfp4", 32, 1, "bf16", 1500.0),
+                                  ("vllm-nvfp4", 32, None, "bf16", 1200.0),
+                                  ("vllm-bf16", 0, None, "bf16", 2000.0),
+                                  ("bf16", 32, 1, "fp8", 1100.0),
+                                  ("nvfp4", 32, 1, "fp8", 1800.0),
+                                  ("vllm-nvfp4", 32, None, "fp8", 1500.0),
+                                  ("vllm-bf16", 0, None, "fp8", 2400.0)]]
+    rows.append({**rows[5], "batch": 128, "date": "2026-01-03 10:00", "run": "r2"})
+    write(results / "bench/rollout/rollout_formats.csv", rows)
+    before = {**base, "weights": "nvfp4", "lora_rank": 32, "fused": 1, "batch": 128,
+              "date": "2026-01-01 10:00", "run": "r0", "tok_per_s": 1700.0}
+    write(results / "bench/rollout/rollout_before.csv", [before])  # no kv_cache column
+    report(results)
+    table = pd.read_csv(results / "tables/rollout.csv")
+    table = table[table.model == "qwen2.5-7b"].set_index(["lora_rank", "batch", "kv_cache"])
+    bf16, fp8 = table.loc[(32, 64, "bf16")], table.loc[(32, 64, "fp8")]
+    assert (bf16.nvfp4, fp8.nvfp4) == (1500.0, 1800.0)
+    assert (bf16["nvfp4/bf16"], fp8["nvfp4/bf16"]) == pytest.approx((1.5, 1800 / 1100))
+    assert (bf16["nvfp4/vllm"], fp8["nvfp4/vllm"]) == pytest.approx((1.25, 1.2))
+    assert (bf16["nvfp4/vllm-bf16 no LoRA"], fp8["nvfp4/vllm-bf16 no LoRA"]) == pytest.approx(
+        (0.75, 0.75))
+    assert fp8["nvfp4 fp8/bf16 cache"] == pytest.approx(1.2)
+    assert fp8["bf16 fp8/bf16 cache"] == pytest.approx(1.1)
+    assert fp8["vllm-nvfp4 fp8/bf16 cache"] == pytest.approx(1.25)
+    assert table.loc[(0, 64, "fp8"), "vllm-bf16 fp8/bf16 cache"] == pytest.approx(1.2)
+    assert pd.isna(bf16["nvfp4 fp8/bf16 cache"])  # on the fp8 row only
+    assert table.loc[(32, 128, "bf16"), "nvfp4"] == 1700.0  # from before the option
+    assert pd.isna(table.loc[(32, 128, "fp8"), "nvfp4 fp8/bf16 cache"])  # two runs
+    keys = pd.read_csv(results / "tables/values.csv").key
+    assert (f"rollout/qwen2.5-7b/{CARD}/nvfp4/lora_rank=32,batch=128,prompt_len=256,"
+            "gen_len=1024,fused=1/tok_per_s") in set(keys)
+    assert sum("kv_cache=fp8" in k for k in keys) == 5 and not any("=bf16" in k for k in keys)
+    head = pd.read_csv(results / "tables/headline.csv")
+    claims = head[head.claim == "rollout tokens/s, NVFP4 / BF16"]
+    assert claims.value.tolist() == pytest.approx([1.5])
+
+
+def test_the_decode_step_tables_compare_kv_cache_formats_within_one_run(tmp_path):
+    """A decode step in each KV cache format is a row of its own: NVFP4 over BF16 within a
+    format, each weights' step in fp8 against its own in BF16 (a speed, above 1: fp8 is
+    faster) from one run; the parts table lists each format's."""
+    rows = [{"date": "2026-01-02 10:00", "run": "r1", "card": CARD, "model": "m",
+             "weights": w, "lora_rank": 32, "fused": 1, "kv_cache": c, "batch": 64,
+             "context": 700, "step_ms": ms, "matmul_ms": 1.0}
+            for w, c, ms in [("bf16", "bf16", 8.0), ("nvfp4", "bf16", 6.0),
+                             ("bf16", "fp8", 7.0), ("nvfp4", "fp8", 5.0)]]
+    write(tmp_path / "bench/decode_step_x.csv", rows)
+    report(tmp_path)
+    table = pd.read_csv(tmp_path / "tables/decode_step.csv").set_index("kv_cache")
+    assert table["bf16/nvfp4"].to_dict() == pytest.approx({"bf16": 8 / 6, "fp8": 1.4})
+    assert table.loc["fp8", "nvfp4 bf16/fp8 cache"] == pytest.approx(1.2)
+    assert table.loc["fp8", "bf16 bf16/fp8 cache"] == pytest.approx(8 / 7)
+    assert pd.isna(table.loc["bf16", "nvfp4 bf16/fp8 cache"])
+    parts = pd.read_csv(tmp_path / "tables/decode_step_parts.csv")
+    assert list(zip(parts.weights, parts.kv_cache, strict=True)) == [
+        ("bf16", "bf16"), ("nvfp4", "bf16"), ("bf16", "fp8"), ("nvfp4", "fp8")]
+
+
 def test_tables_put_the_papers_numbers_beside_ours(results):
     (results / "bench/notes.txt").write_text("a file of no kind the report knows")
     (results / "run.json").write_text("{}")  # the workflow's record of the run
