@@ -28,8 +28,8 @@ which this does not model). The terms, decimal GB:
   LoRA layer is PEFT's own, which keeps an fp32 copy of each projection's input for the
   adapter (six hidden-sized, one intermediate-sized: 12 and 2 BF16 tensors' worth more),
   so 6 and 20; and for a 4-bit base (qerl, qlora) the largest projection decoded to BF16,
-  which its GEMM over so many rows reads (a 130 MiB allocation, 7B's gate, up or down,
-  was the one a capped 7B step ran out of memory on, results/bench/budget_*.csv);
+  which its GEMM over so many rows reads (the allocation a capped 7B step ran out of
+  memory on: its error in results/bench/budget_*.csv);
 - logprob: the log-probabilities of the completion tokens, by TRL's fused LM head
   (``trl.trainer.utils.add_fused_lm_head``), which never holds [tokens x vocab]: a tile of
   TOKEN_TILE x VOCAB_TILE BF16 logits at a time, the completions' hidden states (BF16)
