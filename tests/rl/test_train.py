@@ -465,6 +465,47 @@ def test_checkpoint_offload_survives_trls_toggling(tmp_path):
         parse_config({**raw, "train": {**raw["train"], "gradient_checkpointing": False}})
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_offloaded_layer_inputs_leave_the_gpu_through_trls_toggling():
+    """After TRL's off-and-on around a no-grad forward, a training forward holds less on the
+    GPU by about the checkpointed layer inputs, and its gradients are the same bits."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    from trl.models.utils import disable_gradient_checkpointing
+
+    from qerl.rl.trainer import _keep_checkpoint_offload
+
+    layers, batch, tokens, hidden = 8, 2, 4096, 1024
+    config = Qwen2Config(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=8,
+                         num_key_value_heads=2, max_position_embeddings=tokens)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16).train()
+    ids = torch.randint(0, 128, (batch, tokens), device="cuda")
+
+    def forward_and_backward(offload: bool):
+        model.gradient_checkpointing_enable(offload=offload)  # as the Trainer does
+        if offload:
+            _keep_checkpoint_offload(model)
+        trainer_kwargs = {"offload": True} if offload else None  # the Trainer's arguments
+        with torch.no_grad(), disable_gradient_checkpointing(model, trainer_kwargs):
+            model(ids[:, :8])
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        loss = model(ids, labels=ids).loss
+        held = torch.cuda.memory_allocated() - before
+        loss.backward()
+        return held, [p.grad.clone() for p in model.parameters()]
+
+    held, grads = forward_and_backward(False)
+    held_offloaded, grads_offloaded = forward_and_backward(True)
+    inputs = layers * batch * tokens * hidden * 2  # BF16
+    assert held - held_offloaded >= 0.75 * inputs, (held, held_offloaded, inputs)
+    for a, b in zip(grads, grads_offloaded, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
 def test_the_memory_measures_change_nothing_learned(chat_model, tmp_path):
     """The input embedding, AdamW's state and checkpointing's layer inputs in host memory
     and the KV cache freed between rollouts (what a memory budget may take) move memory,
