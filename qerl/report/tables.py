@@ -500,12 +500,12 @@ def efficiency(frames: dict, paper: pd.DataFrame) -> pd.DataFrame:
 def fits(frames: dict, paper: pd.DataFrame | None = None) -> pd.DataFrame:
     """Which model fits which budget (`qerl bench budget`): a row per card, kernel
     architecture, step (prompts x completions x tokens, LoRA rank, a KV cache other than
-    BF16), model and method, a
-    column per budget. A cell is the step's time against the same model and method's on the
-    whole card, where it ran within the budget as the driver counts it ("1.21x"); else why
-    not: the smallest budget its plan needs ("needs 9.13 GB"), torch's cap reached ("oom"),
-    the driver's peak past the budget ("over: 8.42 GB"), or "failed"; after a step that ran,
-    the memory measures its plan took, if any ("1.21x (offload.embedding)")."""
+    BF16), model and method, a column per budget. A cell is the step's time against the same
+    model and method's on the whole card, where it ran within the budget as the driver
+    counts it ("1.21x"); else why not: the smallest budget its plan needs ("needs 9.13
+    GB"), torch's cap reached ("oom"), the driver's peak past the budget ("over: 8.42 GB"),
+    or "failed"; after a step that ran, the memory measures its plan took, if any ("1.21x
+    (offload.embedding)")."""
     rows = frames.get("budget")
     if rows is None or "status" not in rows:
         return pd.DataFrame()
